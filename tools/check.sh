@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test command: notebooks and library in sync, README in sync, every notebook's tests, then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+snap() { git status --porcelain -- nbs cipher_nb; git diff -- nbs cipher_nb | sha1sum; }
+before=$(snap)
+nbdev-clean
+nbdev-export
+if [ "$before" != "$(snap)" ]; then
+  echo "FAIL: nbdev-clean / nbdev-export changed nbs/ or cipher_nb/: notebooks and library were not in sync." >&2
+  git status --short -- nbs cipher_nb >&2
+  exit 1
+fi
+python tools/readme.py --check
+
+echo "== nbdev-test"
+nbdev-test --n-workers "${NBDEV_WORKERS:-2}"
+
+echo "== pytest"
+# pytest exits 5 when it collects no test: with set -e that fails this script, as it should.
+python -m pytest -q -p no:cacheprovider
