@@ -57,6 +57,7 @@ class ModelConfig:
     # attention
     rope_base:float = 10000.0
     rope_scaling:float = 1.0        # YaRN-style context extension factor; 1 = off
+    rope_orig_ctx:int = 2048        # the context length RoPE was trained at, for YaRN
     sliding_window:int = 0          # 0 = full causal attention
     # recurrent depth (Geiping et al.): prelude, core looped n_loops times, coda
     n_prelude:int = 0
@@ -74,11 +75,13 @@ class ModelConfig:
     bp_loss:str = 'bce_binomial'    # bce_binomial | hinge
     bp_loss_weight:float = 0.1
     bp_binomial_weight:float = 0.1
+    bp_threshold_momentum:float = 0.9  # causal_fixed: EMA momentum of the running score quantile (per batch)
+    bp_hinge_sigmas:float = 1.0     # hinge loss: rate allowed above bp_rate, in binomial standard deviations
     # the rest
     tie_embeddings:bool = True
     norm_eps:float = 1e-5
     init_std:float = 0.02
-    loss_chunk:int = 4096           # tokens per chunk of the cross-entropy; 0 = one plain pass
+    loss_chunk:int = 1024           # tokens per chunk of the fused cross-entropy; 0 = one plain pass
 
     @property
     def dense_d_ff(self) -> int: return self.d_ff or (self.top_k + self.n_shared) * self.expert_d_ff
@@ -94,11 +97,12 @@ class DataConfig:
     source:str = 'stdlib'           # stdlib | mock | files | hub
     path:str = ''                   # file path or glob (files), dataset name (hub)
     subset:str = ''                 # hub config, e.g. sample-10BT
+    revision:str = ''               # hub revision (branch, tag or commit); a commit pins the data for the fingerprint
     split:str = 'train'
     text_field:str = 'text'
     codec:str = 'bytes'             # bytes | tokenizer
     tokenizer:str = ''              # path to a tokenizer.json when codec = tokenizer
-    max_bytes:int = 8192            # a document is truncated to this many bytes
+    max_bytes:int = 8192            # a document is truncated to this many bytes; 0 = whole documents
     heldout_frac:float = 0.01       # documents held out for validation, chosen by hash
     doc_mask:bool = True            # emit doc_ids so attention stays inside a document
     num_workers:int = 0
@@ -119,6 +123,7 @@ class TrainConfig:
     weight_decay:float = 0.1
     grad_clip:float = 1.0
     precision:str = 'auto'          # auto | bf16 | fp16 | fp32 | fp8 | mxfp8 | nvfp4
+    fp8_recipe:str = 'rowwise'      # torchao float8 scaling for fp8: rowwise | tensorwise | rowwise_with_gw_hp
     seed:int = 0
     device:str = cosmetic('auto')
     parallel:str = 'ddp'            # ddp | fsdp (under torchrun)
@@ -166,6 +171,10 @@ class MonitorConfig:
     min_mfu:float = cosmetic(0.7)
     gate_steps:int = cosmetic(100)
     bp_rate_tol:float = cosmetic(0.1)
+    slow_mfu:float = cosmetic(0.5)          # warn when MFU falls under this (seed 000: under 50% GPU use)
+    min_tok_per_s:float = cosmetic(0.0)     # warn when tokens/s falls under this; 0 = off (CPU runs have no MFU)
+    max_token_corr:float = cosmetic(0.95)   # recurrent collapse: token states this correlated are near-identical
+    overfit_patience:int = cosmetic(2)      # consecutive validation rises (training loss falling) before warning
 
 @dataclass
 class SFTConfig:
@@ -264,6 +273,7 @@ _CHOICES = {
     'model.bp_mode': ('causal_fixed', 'adaptive', 'topk'), 'model.bp_loss': ('bce_binomial', 'hinge'),
     'data.source': ('stdlib', 'mock', 'files', 'hub'), 'data.codec': ('bytes', 'tokenizer'),
     'training.precision': ('auto', 'bf16', 'fp16', 'fp32', 'fp8', 'mxfp8', 'nvfp4'),
+    'training.fp8_recipe': ('rowwise', 'tensorwise', 'rowwise_with_gw_hp'),
     'training.parallel': ('ddp', 'fsdp'), 'optim.name': ('adamw', 'adamw8bit'),
     'stage.name': ('pretrain', 'refinement', 'sft'), 'stage.source_stage': ('', 'pretrain', 'refinement', 'sft'),
     'sft.mask': ('final', 'all'),
@@ -287,13 +297,23 @@ def validate(cfg:Config) -> Config:
         (m.n_loops >= 1, f"model.n_loops ({m.n_loops}) must be at least 1"),
         (m.backprop_loops <= m.n_loops, f"model.backprop_loops ({m.backprop_loops}) cannot exceed model.n_loops ({m.n_loops})"),
         (0 < m.bp_rate < 1, f"model.bp_rate ({m.bp_rate}) must lie strictly between 0 and 1"),
+        (m.bp_temperature > 0, f"model.bp_temperature ({m.bp_temperature}) must be positive"),
+        (0 <= m.bp_threshold_momentum < 1, f"model.bp_threshold_momentum ({m.bp_threshold_momentum}) must lie in [0, 1)"),
+        (m.bp_hinge_sigmas >= 0, f"model.bp_hinge_sigmas ({m.bp_hinge_sigmas}) cannot be negative"),
         (not m.boundary or m.vocab == 272, f"model.boundary needs the byte vocabulary: model.vocab is {m.vocab}, expected 272"),
         (m.head_dim % 2 == 0, f"model.head_dim ({m.head_dim}) must be even for RoPE"),
         (t.seq_len >= 2, f"training.seq_len ({t.seq_len}) must be at least 2 (one input and one target)"),
         (t.warmup_steps < t.max_steps, f"training.warmup_steps ({t.warmup_steps}) must be below training.max_steps ({t.max_steps})"),
         (t.min_lr <= t.lr, f"training.min_lr ({t.min_lr}) cannot exceed training.lr ({t.lr})"),
         (t.batch_size >= 1 and t.grad_accum >= 1, f"training.batch_size ({t.batch_size}) and training.grad_accum ({t.grad_accum}) must be at least 1"),
+        (cfg.data.max_bytes >= 0, f"data.max_bytes ({cfg.data.max_bytes}) cannot be negative (0 keeps whole documents)"),
+        (0 <= cfg.data.heldout_frac < 1, f"data.heldout_frac ({cfg.data.heldout_frac}) must lie in [0, 1)"),
+        (0 <= cfg.data.bp_fixed_frac <= 1, f"data.bp_fixed_frac ({cfg.data.bp_fixed_frac}) must lie in [0, 1]"),
+        (cfg.data.num_workers >= 0, f"data.num_workers ({cfg.data.num_workers}) cannot be negative"),
         (len(cfg.optim.betas) == 2, f"optim.betas must hold two numbers, got {cfg.optim.betas}"),
+        (0 < cfg.monitor.max_token_corr <= 1, f"monitor.max_token_corr ({cfg.monitor.max_token_corr}) must lie in (0, 1]"),
+        (cfg.monitor.overfit_patience >= 1 and cfg.monitor.gate_steps >= 1,
+         f"monitor.overfit_patience ({cfg.monitor.overfit_patience}) and monitor.gate_steps ({cfg.monitor.gate_steps}) must be at least 1"),
     ]
     for ok, msg in checks:
         if not ok: raise ConfigError(msg)
