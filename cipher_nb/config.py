@@ -130,6 +130,7 @@ class TrainConfig:
     compile:bool = False
     max_nonfinite:int = 5           # consecutive skipped steps before the run stops
     eval_batches:int = 8
+    eval_at_start:bool = False      # also evaluate before the first step (SFT: the source checkpoint)
     checkpoint_every:int = cosmetic(100)
     eval_every:int = cosmetic(100)
     log_every:int = cosmetic(10)

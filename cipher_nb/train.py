@@ -7,10 +7,10 @@ Docs: https://cipher-nb.github.io/cipher_nb/train.html.md"""
 # %% auto #0
 __all__ = ['lr_at', 'set_lr', 'StopFlag', 'Callback', 'run_callbacks', 'peak_memory_gb', 'NonFiniteError', 'Trainer',
            'discard_moe_load', 'train_step', 'write_metrics', 'evaluate', 'save', 'fit', 'heldout_metrics',
-           'CurriculumCallback', 'codec_description', 'CheckpointCallback', 'init_distributed', 'wrap_model',
-           'build_trainer', 'resolve_run', 'cipher_train']
+           'CurriculumCallback', 'codec_description', 'CheckpointCallback', 'StageHooks', 'stage_hooks',
+           'init_distributed', 'wrap_model', 'build_trainer', 'resolve_run', 'cipher_train']
 
-# %% ../nbs/10_train.ipynb #5121268c
+# %% ../nbs/10_train.ipynb #c04bb1a0
 import json, math, os, signal, sys, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,21 +24,21 @@ from .core import DistEnv, dist_env, autocast, autocast_dtype, resolve_device
 from .config import Config, TrainConfig
 from .moe import MoE, update_moe_biases
 
-# %% ../nbs/10_train.ipynb #aaf7a2d9
+# %% ../nbs/10_train.ipynb #80627946
 def lr_at(step:int, t:TrainConfig) -> float:
     "Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
     if step < t.warmup_steps: return t.lr * (step + 1) / t.warmup_steps
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
-# %% ../nbs/10_train.ipynb #61d01c30
+# %% ../nbs/10_train.ipynb #94a24f41
 def set_lr(optimizer, lr:float, frozen:set=frozenset()):
     "Give every group `lr * lr_mult`; groups whose parameters are all in `frozen` get 0 (frozen without touching requires_grad)."
     for g in optimizer.param_groups:
         is_frozen = bool(frozen) and all(id(p) in frozen for p in g['params'])
         g['lr'] = 0.0 if is_frozen else lr * g.get('lr_mult', 1.0)
 
-# %% ../nbs/10_train.ipynb #8a6e336a
+# %% ../nbs/10_train.ipynb #1c1c47f1
 class StopFlag:
     "SIGTERM / SIGINT raise a flag read between steps; a second signal exits at once."
     def __init__(self): self.raised, self.signum, self._old = False, None, {}
@@ -57,7 +57,7 @@ class StopFlag:
         for s, h in self._old.items(): signal.signal(s, h)
         self._old = {}
 
-# %% ../nbs/10_train.ipynb #2cb86a73
+# %% ../nbs/10_train.ipynb #0238c948
 class Callback:
     "The hooks a callback may implement; every one receives the trainer."
     def before_step(self, trainer): pass
@@ -74,14 +74,14 @@ def run_callbacks(callbacks, hook:str, *args):
         f = getattr(cb, hook, None)
         if f is not None: f(*args)
 
-# %% ../nbs/10_train.ipynb #ff89227d
+# %% ../nbs/10_train.ipynb #b706c78c
 def peak_memory_gb(device:torch.device) -> float:
     "Peak memory of this process: CUDA max allocated on GPU, peak resident set size on CPU."
     if device.type == 'cuda': return torch.cuda.max_memory_allocated(device) / 1e9
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6   # Linux reports KiB
 
-# %% ../nbs/10_train.ipynb #52984cf0
+# %% ../nbs/10_train.ipynb #21d4aaac
 class NonFiniteError(RuntimeError):
     "Too many non-finite steps in a row: the run stops and the last good checkpoint is kept."
 
@@ -114,7 +114,7 @@ class Trainer:
     def state_dict(self) -> dict: return dict(step=self.step, tokens=self.tokens, skipped=self.skipped)
     def load_state_dict(self, d:dict): self.step, self.tokens, self.skipped = int(d['step']), int(d['tokens']), int(d.get('skipped', 0))
 
-# %% ../nbs/10_train.ipynb #e4f01bfd
+# %% ../nbs/10_train.ipynb #5902657a
 def _sum_all(x:torch.Tensor, env:DistEnv, op=None) -> torch.Tensor:
     if env.distributed and dist.is_initialized(): dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
     return x
@@ -149,13 +149,13 @@ def _forward_backward(self:Trainer, batches:list) -> dict:
 
 Trainer._forward_backward = _forward_backward
 
-# %% ../nbs/10_train.ipynb #214659e3
+# %% ../nbs/10_train.ipynb #4569da43
 def discard_moe_load(model:nn.Module):
     "Drop the routing counts accumulated since the last optimizer step (a skipped step)."
     for m in model.modules():
         if isinstance(m, MoE): m.take_load()
 
-# %% ../nbs/10_train.ipynb #5770c061
+# %% ../nbs/10_train.ipynb #6f062a45
 def _clip(self:Trainer) -> torch.Tensor:
     if self.scaler: self.scaler.unscale_(self.optimizer)
     params = [p for p in self.model.parameters() if p.grad is not None]
@@ -201,7 +201,7 @@ def train_step(self:Trainer) -> dict:
 Trainer._clip, Trainer.train_step = _clip, train_step
 Trainer.bp_freeze_steps = property(lambda self: self.cfg.training.warmup_steps if self.cfg.optim.bp_freeze_steps < 0 else self.cfg.optim.bp_freeze_steps)
 
-# %% ../nbs/10_train.ipynb #e1d67d6b
+# %% ../nbs/10_train.ipynb #73a76f1c
 def _log_row(self:Trainer, window:list, seconds:float) -> dict:
     keys = sorted({k for r in window for k in r if k not in ('lr',)})
     means = torch.stack([torch.stack([torch.as_tensor(r.get(k, 0.0), dtype=torch.float32, device=self.device) for r in window]).mean() for k in keys]).tolist()
@@ -229,7 +229,7 @@ def _line(row:dict, max_steps:int) -> str:
 
 Trainer._log_row, Trainer.write_metrics = _log_row, write_metrics
 
-# %% ../nbs/10_train.ipynb #09c65d08
+# %% ../nbs/10_train.ipynb #84ef90d7
 def _stop_agreed(self:Trainer) -> bool:
     flag = torch.tensor(float(self.stop.raised), device=self.device)
     return bool(_sum_all(flag, self.env, dist.ReduceOp.MAX if dist.is_available() else None).item())
@@ -259,6 +259,9 @@ def fit(self:Trainer, progress:bool=True) -> 'Trainer':
     bar = tqdm(total=t.max_steps, initial=self.step, disable=not (progress and self.is_main), dynamic_ncols=True, leave=False)
     window, t0 = [], time.perf_counter()
     try:
+        if t.eval_at_start and self.step == 0:   # the starting point (SFT: the source checkpoint) on the same held-out set
+            row = {'step': 0, 'tokens': self.tokens, **self.evaluate()}
+            run_callbacks(self.callbacks, 'on_log', self, row); self.write_metrics(row)
         while self.step < t.max_steps:
             run_callbacks(self.callbacks, 'before_step', self)
             res = self.train_step()
@@ -291,7 +294,7 @@ def fit(self:Trainer, progress:bool=True) -> 'Trainer':
 
 Trainer._stop_agreed, Trainer.evaluate, Trainer.save, Trainer.fit = _stop_agreed, evaluate, save, fit
 
-# %% ../nbs/10_train.ipynb #8d7985f1
+# %% ../nbs/10_train.ipynb #b0956224
 from itertools import islice
 
 from .core import seed_everything, dist_backend
@@ -304,7 +307,7 @@ from .monitor import MonitorCallback, device_peak_flops
 from .precision import detect_precision, convert_model, build_optimizer, optimizer_kind
 from . import checkpoint as ck
 
-# %% ../nbs/10_train.ipynb #3f83f34a
+# %% ../nbs/10_train.ipynb #5a0503e8
 @torch.no_grad()
 def heldout_metrics(model:nn.Module, batches:list, byte_lengths:torch.Tensor, device=None, dtype=torch.float32, env:DistEnv=None) -> dict:
     "`val/loss` (nats per target) and `val/bpb` over `batches`, specials excluded, summed over ranks."
@@ -321,7 +324,7 @@ def heldout_metrics(model:nn.Module, batches:list, byte_lengths:torch.Tensor, de
     nats, n, nbytes = _sum_all(sums, env).tolist()
     return {'val/loss': nats / max(n, 1), 'val/bpb': nats / max(nbytes, 1) / math.log(2)}
 
-# %% ../nbs/10_train.ipynb #3ebab86a
+# %% ../nbs/10_train.ipynb #5b8a5ef9
 class CurriculumCallback(Callback):
     "Before each step, set the boundary predictor's mode the curriculum gives for it."
     def __init__(self, cfg:Config): self.curriculum = Curriculum(cfg)
@@ -332,12 +335,12 @@ def codec_description(codec, cfg:Config) -> dict:
     return dict(kind=cfg.data.codec, vocab_size=int(codec.vocab_size), specials=dict(getattr(codec, 'specials', {})),
                 tokenizer=cfg.data.tokenizer or None)
 
-# %% ../nbs/10_train.ipynb #df14b7fe
+# %% ../nbs/10_train.ipynb #6d31222d
 class CheckpointCallback(Callback):
     "The run's checkpoints (step, emergency, best, final), its export and its record."
-    def __init__(self, cfg:Config, run_dir, loader, record, fingerprint:str, codec:dict):
+    def __init__(self, cfg:Config, run_dir, loader, record, fingerprint:str, codec:dict, export_model=lambda m: m):
         self.cfg, self.run_dir, self.loader, self.record = cfg, Path(run_dir), loader, record
-        self.fingerprint, self.codec = fingerprint, codec
+        self.fingerprint, self.codec, self.export_model = fingerprint, codec, export_model
         self.ckpt = ck.Checkpointer.from_config(cfg, run_dir)
 
     def _state(self, trainer):
@@ -352,7 +355,7 @@ class CheckpointCallback(Callback):
         path = self.ckpt.save(trainer.step, state, {**meta, 'tag': tag})
         if tag == 'final':
             self.ckpt.wait()
-            hashes = ck.export_model(trainer.model, self.run_dir / 'final', config=self.cfg.to_dict(), codec=self.codec, meta=meta)
+            hashes = ck.export_model(self.export_model(trainer.model), self.run_dir / 'final', config=self.cfg.to_dict(), codec=self.codec, meta=meta)
             if trainer.is_main:
                 self.record.export = hashes
                 self.record.selection_rule = 'final/ is the last step; best/ has the lowest val/loss'
@@ -370,7 +373,26 @@ class CheckpointCallback(Callback):
 
     def on_end(self, trainer): self.ckpt.close()
 
-# %% ../nbs/10_train.ipynb #3f6aa8dd
+# %% ../nbs/10_train.ipynb #2f90d704
+class StageHooks:
+    "What a stage changes in a run; the default (pretrain, refinement) changes nothing."
+    def config(self, cfg:Config) -> Config: return cfg
+    def data(self, cfg:Config, rank:int, world_size:int) -> tuple:
+        "The training loader and the held-out batches."
+        heldout = cdata.build_loader(cfg, 'heldout', rank, world_size)
+        return build_loader(cfg, 'train', rank, world_size), list(islice(iter(heldout), cfg.training.eval_batches))
+    def model(self, model:nn.Module, cfg:Config) -> nn.Module: return model
+    def export_model(self, model:nn.Module) -> nn.Module: return model
+    def callbacks(self, cfg:Config, run_dir) -> list: return []
+
+def stage_hooks(stage:str) -> StageHooks:
+    "The hooks of `stage`: SFT's live in `cipher_nb.sft` (looked up by name: the composition root is the only place that knows every stage)."
+    if stage == 'sft':
+        import importlib
+        return importlib.import_module('cipher_nb.sft').SFTHooks()
+    return StageHooks()
+
+# %% ../nbs/10_train.ipynb #4c2811d9
 def init_distributed(env:DistEnv, device:torch.device):
     "Join the process group `torchrun` set up (no-op for a single process)."
     if not env.distributed or dist.is_initialized(): return
@@ -388,7 +410,7 @@ def wrap_model(model:nn.Module, cfg:Config, env:DistEnv, device:torch.device) ->
     from torch.nn.parallel import DistributedDataParallel as DDP
     return DDP(model, device_ids=[device.index] if device.type == 'cuda' else None)
 
-# %% ../nbs/10_train.ipynb #83bc7b70
+# %% ../nbs/10_train.ipynb #a59ceba4
 def _truncate_metrics(path:Path, step:int):
     "Drop log rows after `step` (written by a run that died after its last checkpoint)."
     if not path.exists(): return
@@ -399,9 +421,11 @@ def _resume_path(resume:str, run_dir:Path):
     if resume != 'auto': return Path(resume)
     return ck.latest_checkpoint(run_dir)
 
-def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:bool=True) -> Trainer:
+def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:bool=True, hooks:StageHooks=None) -> Trainer:
     "Everything a run needs, from its config: data, model, precision, optimizer, checkpoints, monitor, evaluation."
     env, run_dir = dist_env(), Path(run_dir)
+    hooks = hooks or stage_hooks(cfg.stage.name)
+    cfg = hooks.config(cfg)
     device = resolve_device(cfg.training.device)
     init_distributed(env, device)
     fingerprint = data_fingerprint(cfg)
@@ -417,20 +441,21 @@ def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:b
     codec = build_codec(cfg.data)
     model = CipherModel(cfg.model).to(device)
     if cfg.stage.init: ck.load_weights(cfg.stage.init, model)
+    model = hooks.model(model, cfg)
     choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
     report = convert_model(model, choice) if choice.mode in ('fp8', 'mxfp8', 'nvfp4') else {}
     wrapped = wrap_model(model, cfg, env, device)
     optimizer = build_optimizer(wrapped, cfg)
-    loader = build_loader(cfg, 'train', env.rank, env.world_size)
-    heldout = list(islice(iter(cdata.build_loader(cfg, 'heldout', env.rank, env.world_size)), cfg.training.eval_batches))
+    loader, heldout = hooks.data(cfg, env.rank, env.world_size)
     record = ck.run_record(cfg, world_size=env.world_size, data_fingerprint=fingerprint, codec=codec_description(codec, cfg),
                            source=source or (cfg.stage.init or None), run_name=run_dir.name)
     record.precision, record.kernels = choice.to_record(), dict(report)
-    ckpt = CheckpointCallback(cfg, run_dir, loader, record, fingerprint, codec_description(codec, cfg))
+    ckpt = CheckpointCallback(cfg, run_dir, loader, record, fingerprint, codec_description(codec, cfg), hooks.export_model)
     lengths = torch.as_tensor(codec.byte_lengths)
     trainer = Trainer(cfg, wrapped, optimizer, loader, run_dir=run_dir, device=device, env=env,
                       eval_fn=lambda tr: heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype, tr.env),
-                      callbacks=[CurriculumCallback(cfg), MonitorCallback(cfg), ckpt, *callbacks], checkpoint_fn=ckpt,
+                      callbacks=[CurriculumCallback(cfg), MonitorCallback(cfg), ckpt, *hooks.callbacks(cfg, run_dir), *callbacks],
+                      checkpoint_fn=ckpt,
                       flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len), peak_flops=device_peak_flops(device))
     trainer.dtype = choice.dtype
     trainer.scaler = torch.amp.GradScaler(device.type) if choice.scaler else None
@@ -439,7 +464,7 @@ def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:b
     elif resume == 'auto' and env.is_main: print(f"no complete checkpoint in {run_dir}: starting from step 0", file=sys.stderr)
     return trainer
 
-# %% ../nbs/10_train.ipynb #8a57aa75
+# %% ../nbs/10_train.ipynb #657149c5
 def _restore(trainer:Trainer, path:Path):
     "Exact resume: weights, optimizer (unless its kind changed), data position, RNG, counters."
     meta = ck.read_meta(path)
@@ -455,7 +480,7 @@ def _restore(trainer:Trainer, path:Path):
         _truncate_metrics(trainer.run_dir / 'metrics.jsonl', trainer.step)
         print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
 
-# %% ../nbs/10_train.ipynb #1f36fd50
+# %% ../nbs/10_train.ipynb #430221a7
 def resolve_run(config:str=None, overrides=(), out:str=None, max_steps:int=None, resume:str=None, init:str=None,
                 stage:str=None, precision:str=None, device:str=None, mock_data:bool=False):
     "The config and run directory a `cipher-train` command line asks for."
@@ -470,7 +495,7 @@ def resolve_run(config:str=None, overrides=(), out:str=None, max_steps:int=None,
     name = cfg.training.run_name or f"{Path(config).stem if config else 'tiny-cpu'}-{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, Path(out) if out else Path(cfg.training.out_dir) / name
 
-# %% ../nbs/10_train.ipynb #f81adece
+# %% ../nbs/10_train.ipynb #a33d321b
 from fastcore.script import call_parse, CliError
 
 def _summary(trainer:Trainer) -> str:

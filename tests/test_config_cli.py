@@ -28,3 +28,9 @@ def test_unknown_key_suggests_the_closest():
 def test_every_preset_loads():
     from cipher_nb.config import load_config
     for p in sorted((ROOT / 'examples/configs').glob('*.yaml')): load_config(p)
+
+def test_tiny_cpu_is_the_default():
+    "cipher-train with no arguments trains tiny-cpu: the preset and the config defaults must stay the same experiment."
+    from cipher_nb.config import load_config, config_hash, Config, critical_diff
+    tiny = load_config(ROOT / 'examples/configs/tiny-cpu.yaml')
+    assert critical_diff(tiny, Config()) == [] and config_hash(tiny) == config_hash(Config())
