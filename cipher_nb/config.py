@@ -183,7 +183,13 @@ class SFTConfig:
     data:str = ''                   # local jsonl or hub name; empty = the embedded stdlib docstring Q&A
     mask:str = 'final'              # final | all (assistant turns that carry loss)
     drop_long:bool = False          # drop (and count) over-length examples instead of failing
+    heldout_frac:float = 0.05       # examples held out (chosen by hash) for the matched evaluation at every epoch
+    max_train_examples:int = 0      # 0 = every training example; N keeps the first N (quick runs; the held-out set stays whole)
+    chat_template:str = ''          # '' = the codec's role and end-of-turn specials; a .jinja file or tokenizer_config.json
     epochs:int = 3
+    lr:float = 2e-5                 # SFT's peak learning rate (training.lr is set from it)
+    min_lr:float = 0.0              # where the one cosine across all epochs ends
+    warmup_frac:float = 0.03        # warmup as a fraction of all SFT steps
     lora_rank:int = 0               # 0 = full-parameter
     lora_alpha:float = 16.0
     lora_dropout:float = 0.0
@@ -315,6 +321,15 @@ def validate(cfg:Config) -> Config:
         (0 < cfg.monitor.max_token_corr <= 1, f"monitor.max_token_corr ({cfg.monitor.max_token_corr}) must lie in (0, 1]"),
         (cfg.monitor.overfit_patience >= 1 and cfg.monitor.gate_steps >= 1,
          f"monitor.overfit_patience ({cfg.monitor.overfit_patience}) and monitor.gate_steps ({cfg.monitor.gate_steps}) must be at least 1"),
+        (cfg.sft.epochs >= 1, f"sft.epochs ({cfg.sft.epochs}) must be at least 1"),
+        (0 < cfg.sft.heldout_frac < 1, f"sft.heldout_frac ({cfg.sft.heldout_frac}) must lie in (0, 1): SFT evaluates on its held-out examples"),
+        (cfg.sft.max_train_examples >= 0, f"sft.max_train_examples ({cfg.sft.max_train_examples}) cannot be negative (0 keeps them all)"),
+        (0 <= cfg.sft.min_lr <= cfg.sft.lr and cfg.sft.lr > 0, f"sft.lr ({cfg.sft.lr}) must be positive and sft.min_lr ({cfg.sft.min_lr}) in [0, sft.lr]"),
+        (0 <= cfg.sft.warmup_frac < 1, f"sft.warmup_frac ({cfg.sft.warmup_frac}) must lie in [0, 1)"),
+        (cfg.sft.lora_rank >= 0, f"sft.lora_rank ({cfg.sft.lora_rank}) cannot be negative (0 = full-parameter)"),
+        (cfg.sft.lora_alpha > 0 and 0 <= cfg.sft.lora_dropout < 1,
+         f"sft.lora_alpha ({cfg.sft.lora_alpha}) must be positive and sft.lora_dropout ({cfg.sft.lora_dropout}) in [0, 1)"),
+        (not cfg.sft.lora_rank or len(cfg.sft.lora_targets) > 0, "sft.lora_targets is empty: name the linear layers LoRA adapts (e.g. [wq, wv])"),
     ]
     for ok, msg in checks:
         if not ok: raise ConfigError(msg)

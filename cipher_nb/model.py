@@ -8,7 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/model.html.md"""
 __all__ = ['rope_frequencies', 'rope_tables', 'apply_rope', 'attention_mask', 'Attention', 'Block', 'fused_cross_entropy',
            'ModelOutput', 'token_similarity', 'LayerStats', 'CipherModel', 'main_stack', 'forward']
 
-# %% ../nbs/06_model.ipynb #3677eb2a
+# %% ../nbs/06_model.ipynb #d9957e1d
 import math
 from dataclasses import dataclass, field
 
@@ -20,7 +20,7 @@ from .config import ModelConfig, param_counts, flops_per_token
 from .moe import MoE, SwiGLU
 from . import boundary as bd
 
-# %% ../nbs/06_model.ipynb #66e7b93e
+# %% ../nbs/06_model.ipynb #03b0c918
 def rope_frequencies(head_dim:int, base:float=10000.0, scaling:float=1.0, orig_ctx:int=2048,
                      beta_fast:float=32.0, beta_slow:float=1.0) -> tuple:
     "Per-pair inverse frequencies [head_dim/2] and the attention scale (YaRN when `scaling` > 1)."
@@ -31,7 +31,7 @@ def rope_frequencies(head_dim:int, base:float=10000.0, scaling:float=1.0, orig_c
     inv = inv / scaling * (1 - ramp) + inv * ramp
     return inv.float(), 0.1 * math.log(scaling) + 1.0
 
-# %% ../nbs/06_model.ipynb #b8dae00d
+# %% ../nbs/06_model.ipynb #dc601769
 def rope_tables(positions:torch.Tensor, inv_freq:torch.Tensor, scale:float=1.0) -> tuple:
     "cos and sin tables [..., T, head_dim/2] for integer `positions` [..., T]."
     ang = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
@@ -43,7 +43,7 @@ def apply_rope(x:torch.Tensor, cos:torch.Tensor, sin:torch.Tensor) -> torch.Tens
     cos, sin = cos[:, None], sin[:, None]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
-# %% ../nbs/06_model.ipynb #a72acf80
+# %% ../nbs/06_model.ipynb #a6305dbe
 def attention_mask(T:int, doc_ids=None, window:int=0, valid=None, device=None):
     "Boolean mask [B or 1, 1, T, T] (True = may attend), or None when plain causal attention suffices."
     if doc_ids is None and not window and valid is None: return None
@@ -55,7 +55,7 @@ def attention_mask(T:int, doc_ids=None, window:int=0, valid=None, device=None):
     if valid is not None: m = m & valid[:, None, :] | torch.eye(T, dtype=torch.bool, device=dev)[None]   # a padded query still sees itself (no NaN)
     return m[:, None]
 
-# %% ../nbs/06_model.ipynb #1777bbff
+# %% ../nbs/06_model.ipynb #cff6f25d
 class Attention(nn.Module):
     "Grouped-query causal self-attention with RoPE, through `scaled_dot_product_attention`."
     def __init__(self, cfg:ModelConfig):
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.nkv != self.nh)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
-# %% ../nbs/06_model.ipynb #181a7bb2
+# %% ../nbs/06_model.ipynb #671fd902
 class Block(nn.Module):
     "Pre-norm transformer block: attention, then a dense SwiGLU or an MoE FFN."
     def __init__(self, cfg:ModelConfig, moe:bool):
@@ -92,7 +92,7 @@ class Block(nn.Module):
         else: aux, stats = {}, {}
         return x + h, aux, stats
 
-# %% ../nbs/06_model.ipynb #61eaa496
+# %% ../nbs/06_model.ipynb #446dc244
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk):
@@ -106,9 +106,10 @@ class _FusedLinearCE(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             hc, yc, vc = h[s:s + chunk], labels[s:s + chunk].clamp(min=0), valid[s:s + chunk]
             logits = (hc @ weight.t()).to(acc)                     # [chunk, V]: the only logits alive
-            loss = loss + F.cross_entropy(logits, yc, reduction='none').mul(vc).sum()
-            if need_grad:                                          # d loss / d logits = softmax - onehot
-                g = logits.softmax(-1)
+            lse = logits.logsumexp(-1)                             # [chunk]
+            loss = loss + ((lse - logits.gather(1, yc[:, None]).squeeze(1)) * vc).sum()
+            if need_grad:                                          # d loss / d logits = softmax - onehot, built in place
+                g = logits.sub_(lse[:, None]).exp_()
                 g[torch.arange(len(yc), device=g.device), yc] -= 1
                 g = g.mul_(vc[:, None].to(acc) / n)
                 gh[s:s + chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)
@@ -121,13 +122,13 @@ class _FusedLinearCE(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         return gh * grad, gw * grad, None, None
 
-# %% ../nbs/06_model.ipynb #04a36a85
+# %% ../nbs/06_model.ipynb #71cff089
 def fused_cross_entropy(h:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk:int=1024) -> torch.Tensor:
     "Mean cross-entropy of `h @ weight.T` against `labels` (-100 ignored), never holding more than `chunk` rows of logits."
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     return _FusedLinearCE.apply(h, weight, labels, max(1, chunk))
 
-# %% ../nbs/06_model.ipynb #5cf10efd
+# %% ../nbs/06_model.ipynb #2a56922f
 @dataclass
 class ModelOutput:
     "What `CipherModel` returns: LM loss, logits (None when the loss ran in chunks), weighted aux losses, detached stats."
@@ -136,7 +137,7 @@ class ModelOutput:
     aux:dict = field(default_factory=dict)
     stats:dict = field(default_factory=dict)
 
-# %% ../nbs/06_model.ipynb #24dfa987
+# %% ../nbs/06_model.ipynb #6a14dbb5
 def token_similarity(x:torch.Tensor) -> torch.Tensor:
     "Mean pairwise cosine similarity between the token states of each sequence [B, T, D], averaged over the batch."
     u = F.normalize(x.float(), dim=-1)
@@ -145,7 +146,7 @@ def token_similarity(x:torch.Tensor) -> torch.Tensor:
     s = u.sum(1).pow(2).sum(-1)                                     # |sum_i u_i|^2 per sequence
     return ((s - T) / (T * (T - 1))).mean()
 
-# %% ../nbs/06_model.ipynb #697280f6
+# %% ../nbs/06_model.ipynb #686b0e62
 class LayerStats:
     "Collects per-layer MoE stats; a core block that runs every loop adds up its counts and averages the rest."
     def __init__(self): self.sums, self.n = {}, {}
@@ -157,7 +158,7 @@ class LayerStats:
     def result(self) -> dict:
         return {k: (v if k.endswith('/expert_counts') else v / self.n[k]).detach() for k, v in self.sums.items()}
 
-# %% ../nbs/06_model.ipynb #63fea8da
+# %% ../nbs/06_model.ipynb #1671d677
 class CipherModel(nn.Module):
     "Token- or byte-level MoE language model, optionally with a recurrent-depth core."
     def __init__(self, cfg:ModelConfig):
@@ -185,7 +186,7 @@ class CipherModel(nn.Module):
     @property
     def output_weight(self): return self.embed.weight if self.head is None else self.head.weight
 
-# %% ../nbs/06_model.ipynb #80f02631
+# %% ../nbs/06_model.ipynb #a0a9c167
 def _run(blocks, x, cos, sin, mask, aux:dict, acc:LayerStats, offset:int):
     "Run `blocks` in order; add their aux losses to `aux` and stats to `acc`; return x and their router entropies."
     ents = []
@@ -211,7 +212,7 @@ def _loop_stats(states:list, entropies:list) -> dict:
     if entropies: out['loop/entropy'] = torch.stack(entropies)
     return out
 
-# %% ../nbs/06_model.ipynb #a58d3c4e
+# %% ../nbs/06_model.ipynb #61f8222d
 def main_stack(self:CipherModel, x, cos, sin, mask, aux:dict, acc:LayerStats, n_loops=None):
     "The main blocks over tokens (or segments): plain, or prelude -> core x n_loops -> coda. Returns x and loop stats."
     cfg = self.cfg
@@ -232,7 +233,7 @@ def main_stack(self:CipherModel, x, cos, sin, mask, aux:dict, acc:LayerStats, n_
 
 CipherModel.main_stack = main_stack
 
-# %% ../nbs/06_model.ipynb #f99793bf
+# %% ../nbs/06_model.ipynb #685cece5
 def _positions(B:int, T:int, position_ids, device):
     return position_ids if position_ids is not None else torch.arange(T, device=device)[None].expand(B, T)
 

@@ -7,10 +7,11 @@ Docs: https://cipher-nb.github.io/cipher_nb/train.html.md"""
 # %% auto #0
 __all__ = ['lr_at', 'set_lr', 'StopFlag', 'Callback', 'run_callbacks', 'peak_memory_gb', 'NonFiniteError', 'Trainer',
            'discard_moe_load', 'train_step', 'write_metrics', 'evaluate', 'save', 'fit', 'heldout_metrics',
-           'CurriculumCallback', 'codec_description', 'CheckpointCallback', 'StageHooks', 'stage_hooks',
-           'init_distributed', 'wrap_model', 'build_trainer', 'resolve_run', 'cipher_train']
+           'CurriculumCallback', 'codec_description', 'TensorBoardCallback', 'WandbCallback', 'logger_callbacks',
+           'CheckpointCallback', 'StageHooks', 'stage_hooks', 'init_distributed', 'wrap_model', 'build_trainer',
+           'resolve_run', 'cipher_train']
 
-# %% ../nbs/10_train.ipynb #c04bb1a0
+# %% ../nbs/10_train.ipynb #d07365ba
 import json, math, os, signal, sys, time, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,21 +25,21 @@ from .core import DistEnv, dist_env, autocast, autocast_dtype, resolve_device
 from .config import Config, TrainConfig
 from .moe import MoE, update_moe_biases
 
-# %% ../nbs/10_train.ipynb #80627946
+# %% ../nbs/10_train.ipynb #58134f49
 def lr_at(step:int, t:TrainConfig) -> float:
     "Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
     if step < t.warmup_steps: return t.lr * (step + 1) / t.warmup_steps
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
-# %% ../nbs/10_train.ipynb #94a24f41
+# %% ../nbs/10_train.ipynb #1533d81b
 def set_lr(optimizer, lr:float, frozen:set=frozenset()):
     "Give every group `lr * lr_mult`; groups whose parameters are all in `frozen` get 0 (frozen without touching requires_grad)."
     for g in optimizer.param_groups:
         is_frozen = bool(frozen) and all(id(p) in frozen for p in g['params'])
         g['lr'] = 0.0 if is_frozen else lr * g.get('lr_mult', 1.0)
 
-# %% ../nbs/10_train.ipynb #1c1c47f1
+# %% ../nbs/10_train.ipynb #0f5c9747
 class StopFlag:
     "SIGTERM / SIGINT raise a flag read between steps; a second signal exits at once."
     def __init__(self): self.raised, self.signum, self._old = False, None, {}
@@ -57,7 +58,7 @@ class StopFlag:
         for s, h in self._old.items(): signal.signal(s, h)
         self._old = {}
 
-# %% ../nbs/10_train.ipynb #0238c948
+# %% ../nbs/10_train.ipynb #e0596133
 class Callback:
     "The hooks a callback may implement; every one receives the trainer."
     def before_step(self, trainer): pass
@@ -74,14 +75,14 @@ def run_callbacks(callbacks, hook:str, *args):
         f = getattr(cb, hook, None)
         if f is not None: f(*args)
 
-# %% ../nbs/10_train.ipynb #b706c78c
+# %% ../nbs/10_train.ipynb #5f6673ba
 def peak_memory_gb(device:torch.device) -> float:
     "Peak memory of this process: CUDA max allocated on GPU, peak resident set size on CPU."
     if device.type == 'cuda': return torch.cuda.max_memory_allocated(device) / 1e9
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6   # Linux reports KiB
 
-# %% ../nbs/10_train.ipynb #21d4aaac
+# %% ../nbs/10_train.ipynb #7ca3cfcb
 class NonFiniteError(RuntimeError):
     "Too many non-finite steps in a row: the run stops and the last good checkpoint is kept."
 
@@ -114,7 +115,7 @@ class Trainer:
     def state_dict(self) -> dict: return dict(step=self.step, tokens=self.tokens, skipped=self.skipped)
     def load_state_dict(self, d:dict): self.step, self.tokens, self.skipped = int(d['step']), int(d['tokens']), int(d.get('skipped', 0))
 
-# %% ../nbs/10_train.ipynb #5902657a
+# %% ../nbs/10_train.ipynb #12857262
 def _sum_all(x:torch.Tensor, env:DistEnv, op=None) -> torch.Tensor:
     if env.distributed and dist.is_initialized(): dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
     return x
@@ -149,13 +150,13 @@ def _forward_backward(self:Trainer, batches:list) -> dict:
 
 Trainer._forward_backward = _forward_backward
 
-# %% ../nbs/10_train.ipynb #4569da43
+# %% ../nbs/10_train.ipynb #fa054a5b
 def discard_moe_load(model:nn.Module):
     "Drop the routing counts accumulated since the last optimizer step (a skipped step)."
     for m in model.modules():
         if isinstance(m, MoE): m.take_load()
 
-# %% ../nbs/10_train.ipynb #6f062a45
+# %% ../nbs/10_train.ipynb #5753a8bc
 def _clip(self:Trainer) -> torch.Tensor:
     if self.scaler: self.scaler.unscale_(self.optimizer)
     params = [p for p in self.model.parameters() if p.grad is not None]
@@ -201,7 +202,7 @@ def train_step(self:Trainer) -> dict:
 Trainer._clip, Trainer.train_step = _clip, train_step
 Trainer.bp_freeze_steps = property(lambda self: self.cfg.training.warmup_steps if self.cfg.optim.bp_freeze_steps < 0 else self.cfg.optim.bp_freeze_steps)
 
-# %% ../nbs/10_train.ipynb #73a76f1c
+# %% ../nbs/10_train.ipynb #0b3ba83c
 def _log_row(self:Trainer, window:list, seconds:float) -> dict:
     keys = sorted({k for r in window for k in r if k not in ('lr',)})
     means = torch.stack([torch.stack([torch.as_tensor(r.get(k, 0.0), dtype=torch.float32, device=self.device) for r in window]).mean() for k in keys]).tolist()
@@ -229,7 +230,7 @@ def _line(row:dict, max_steps:int) -> str:
 
 Trainer._log_row, Trainer.write_metrics = _log_row, write_metrics
 
-# %% ../nbs/10_train.ipynb #84ef90d7
+# %% ../nbs/10_train.ipynb #3ee0b474
 def _stop_agreed(self:Trainer) -> bool:
     flag = torch.tensor(float(self.stop.raised), device=self.device)
     return bool(_sum_all(flag, self.env, dist.ReduceOp.MAX if dist.is_available() else None).item())
@@ -294,7 +295,7 @@ def fit(self:Trainer, progress:bool=True) -> 'Trainer':
 
 Trainer._stop_agreed, Trainer.evaluate, Trainer.save, Trainer.fit = _stop_agreed, evaluate, save, fit
 
-# %% ../nbs/10_train.ipynb #b0956224
+# %% ../nbs/10_train.ipynb #79caf8db
 from itertools import islice
 
 from .core import seed_everything, dist_backend
@@ -307,7 +308,7 @@ from .monitor import MonitorCallback, device_peak_flops
 from .precision import detect_precision, convert_model, build_optimizer, optimizer_kind
 from . import checkpoint as ck
 
-# %% ../nbs/10_train.ipynb #5a0503e8
+# %% ../nbs/10_train.ipynb #94c8d7ae
 @torch.no_grad()
 def heldout_metrics(model:nn.Module, batches:list, byte_lengths:torch.Tensor, device=None, dtype=torch.float32, env:DistEnv=None) -> dict:
     "`val/loss` (nats per target) and `val/bpb` over `batches`, specials excluded, summed over ranks."
@@ -324,7 +325,7 @@ def heldout_metrics(model:nn.Module, batches:list, byte_lengths:torch.Tensor, de
     nats, n, nbytes = _sum_all(sums, env).tolist()
     return {'val/loss': nats / max(n, 1), 'val/bpb': nats / max(nbytes, 1) / math.log(2)}
 
-# %% ../nbs/10_train.ipynb #5b8a5ef9
+# %% ../nbs/10_train.ipynb #6928c445
 class CurriculumCallback(Callback):
     "Before each step, set the boundary predictor's mode the curriculum gives for it."
     def __init__(self, cfg:Config): self.curriculum = Curriculum(cfg)
@@ -335,7 +336,37 @@ def codec_description(codec, cfg:Config) -> dict:
     return dict(kind=cfg.data.codec, vocab_size=int(codec.vocab_size), specials=dict(getattr(codec, 'specials', {})),
                 tokenizer=cfg.data.tokenizer or None)
 
-# %% ../nbs/10_train.ipynb #6d31222d
+# %% ../nbs/10_train.ipynb #e0258f38
+class TensorBoardCallback(Callback):
+    "Each log row as TensorBoard scalars under RUN/tensorboard."
+    def __init__(self, cfg:Config, run_dir):
+        from torch.utils.tensorboard import SummaryWriter   # needs the tensorboard package
+        self.writer = SummaryWriter(str(Path(run_dir) / 'tensorboard'))
+    def on_log(self, trainer, metrics:dict):
+        for k, v in metrics.items():
+            if k != 'step' and isinstance(v, (int, float)): self.writer.add_scalar(k, v, metrics['step'])
+    def on_end(self, trainer): self.writer.close()
+
+class WandbCallback(Callback):
+    "Each log row to Weights & Biases, offline (no network at run time)."
+    def __init__(self, cfg:Config, run_dir):
+        import wandb
+        self.run = wandb.init(project='cipher_nb', name=Path(run_dir).name, dir=str(run_dir), mode='offline', config=cfg.to_dict())
+    def on_log(self, trainer, metrics:dict):
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics['step'])
+    def on_end(self, trainer): self.run.finish()
+
+def logger_callbacks(cfg:Config, run_dir, is_main:bool=True) -> list:
+    "The optional loggers `training.tensorboard` / `training.wandb` ask for (rank 0 only)."
+    out = []
+    for flag, cls, pkg in (('tensorboard', TensorBoardCallback, 'tensorboard'), ('wandb', WandbCallback, 'wandb')):
+        if not (is_main and getattr(cfg.training, flag)): continue
+        try: out.append(cls(cfg, run_dir))
+        except ImportError: warnings.warn(f"training.{flag} is on but {pkg} is not installed: pip install {pkg} "
+                                          "(metrics.jsonl is written either way)")
+    return out
+
+# %% ../nbs/10_train.ipynb #094ef0c8
 class CheckpointCallback(Callback):
     "The run's checkpoints (step, emergency, best, final), its export and its record."
     def __init__(self, cfg:Config, run_dir, loader, record, fingerprint:str, codec:dict, export_model=lambda m: m):
@@ -344,7 +375,7 @@ class CheckpointCallback(Callback):
         self.ckpt = ck.Checkpointer.from_config(cfg, run_dir)
 
     def _state(self, trainer):
-        state = ck.training_state(trainer.model, trainer.optimizer, step=trainer.step, tokens=trainer.tokens,
+        state = ck.training_state(trainer.raw_model, trainer.optimizer, step=trainer.step, tokens=trainer.tokens,
                                   data_state=self.loader.state_dict(), trainer=trainer.state_dict())
         meta = ck.checkpoint_meta(self.cfg, step=trainer.step, tokens=trainer.tokens, data_fingerprint=self.fingerprint,
                                   world_size=trainer.env.world_size, optimizer=optimizer_kind(trainer.optimizer))
@@ -355,7 +386,7 @@ class CheckpointCallback(Callback):
         path = self.ckpt.save(trainer.step, state, {**meta, 'tag': tag})
         if tag == 'final':
             self.ckpt.wait()
-            hashes = ck.export_model(self.export_model(trainer.model), self.run_dir / 'final', config=self.cfg.to_dict(), codec=self.codec, meta=meta)
+            hashes = ck.export_model(self.export_model(trainer.raw_model), self.run_dir / 'final', config=self.cfg.to_dict(), codec=self.codec, meta=meta)
             if trainer.is_main:
                 self.record.export = hashes
                 self.record.selection_rule = 'final/ is the last step; best/ has the lowest val/loss'
@@ -373,7 +404,7 @@ class CheckpointCallback(Callback):
 
     def on_end(self, trainer): self.ckpt.close()
 
-# %% ../nbs/10_train.ipynb #2f90d704
+# %% ../nbs/10_train.ipynb #b496e1fb
 class StageHooks:
     "What a stage changes in a run; the default (pretrain, refinement) changes nothing."
     def config(self, cfg:Config) -> Config: return cfg
@@ -382,6 +413,8 @@ class StageHooks:
         heldout = cdata.build_loader(cfg, 'heldout', rank, world_size)
         return build_loader(cfg, 'train', rank, world_size), list(islice(iter(heldout), cfg.training.eval_batches))
     def model(self, model:nn.Module, cfg:Config) -> nn.Module: return model
+    def check_resume(self, meta:dict, cfg:Config):
+        "Refuse a resume this stage cannot continue (before the generic config check)."
     def export_model(self, model:nn.Module) -> nn.Module: return model
     def callbacks(self, cfg:Config, run_dir) -> list: return []
 
@@ -392,7 +425,7 @@ def stage_hooks(stage:str) -> StageHooks:
         return importlib.import_module('cipher_nb.sft').SFTHooks()
     return StageHooks()
 
-# %% ../nbs/10_train.ipynb #4c2811d9
+# %% ../nbs/10_train.ipynb #e587072c
 def init_distributed(env:DistEnv, device:torch.device):
     "Join the process group `torchrun` set up (no-op for a single process)."
     if not env.distributed or dist.is_initialized(): return
@@ -410,7 +443,7 @@ def wrap_model(model:nn.Module, cfg:Config, env:DistEnv, device:torch.device) ->
     from torch.nn.parallel import DistributedDataParallel as DDP
     return DDP(model, device_ids=[device.index] if device.type == 'cuda' else None)
 
-# %% ../nbs/10_train.ipynb #a59ceba4
+# %% ../nbs/10_train.ipynb #81aa94a3
 def _truncate_metrics(path:Path, step:int):
     "Drop log rows after `step` (written by a run that died after its last checkpoint)."
     if not path.exists(): return
@@ -430,7 +463,9 @@ def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:b
     init_distributed(env, device)
     fingerprint = data_fingerprint(cfg)
     source = _resume_path(resume, run_dir) if resume else None
-    if source is not None: ck.check_resume(ck.read_meta(source), cfg, env.world_size)
+    if source is not None:
+        hooks.check_resume(ck.read_meta(source), cfg)   # a stage's own, clearer refusals first
+        ck.check_resume(ck.read_meta(source), cfg, env.world_size)
     if cfg.stage.init: ck.check_init_source(cfg.stage.init, cfg, fingerprint)
     elif cfg.stage.name != 'pretrain' and source is None:
         raise ConfigError(f"stage.name = '{cfg.stage.name}' starts from the previous stage's weights: give --init PATH")
@@ -454,7 +489,8 @@ def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:b
     lengths = torch.as_tensor(codec.byte_lengths)
     trainer = Trainer(cfg, wrapped, optimizer, loader, run_dir=run_dir, device=device, env=env,
                       eval_fn=lambda tr: heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype, tr.env),
-                      callbacks=[CurriculumCallback(cfg), MonitorCallback(cfg), ckpt, *hooks.callbacks(cfg, run_dir), *callbacks],
+                      callbacks=[CurriculumCallback(cfg), MonitorCallback(cfg), ckpt, *hooks.callbacks(cfg, run_dir),
+                                 *logger_callbacks(cfg, run_dir, env.is_main), *callbacks],
                       checkpoint_fn=ckpt,
                       flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len), peak_flops=device_peak_flops(device))
     trainer.dtype = choice.dtype
@@ -464,7 +500,7 @@ def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:b
     elif resume == 'auto' and env.is_main: print(f"no complete checkpoint in {run_dir}: starting from step 0", file=sys.stderr)
     return trainer
 
-# %% ../nbs/10_train.ipynb #657149c5
+# %% ../nbs/10_train.ipynb #6bdf32d9
 def _restore(trainer:Trainer, path:Path):
     "Exact resume: weights, optimizer (unless its kind changed), data position, RNG, counters."
     meta = ck.read_meta(path)
@@ -472,7 +508,7 @@ def _restore(trainer:Trainer, path:Path):
     if not same_kind:
         warnings.warn(f"{path} was trained with optimizer '{meta.get('optimizer')}', this run uses "
                       f"'{optimizer_kind(trainer.optimizer)}': its optimizer state is reinitialised (weights, data position and step are kept)")
-    res = ck.restore_training_state(path, trainer.model, trainer.optimizer if same_kind else None)
+    res = ck.restore_training_state(path, trainer.raw_model, trainer.optimizer if same_kind else None)
     state = ck.load_checkpoint(path, keys=('trainer',))
     trainer.load_state_dict(state['trainer'])
     trainer.loader.load_state_dict(res['data'])
@@ -480,7 +516,7 @@ def _restore(trainer:Trainer, path:Path):
         _truncate_metrics(trainer.run_dir / 'metrics.jsonl', trainer.step)
         print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
 
-# %% ../nbs/10_train.ipynb #430221a7
+# %% ../nbs/10_train.ipynb #48ef3a98
 def resolve_run(config:str=None, overrides=(), out:str=None, max_steps:int=None, resume:str=None, init:str=None,
                 stage:str=None, precision:str=None, device:str=None, mock_data:bool=False):
     "The config and run directory a `cipher-train` command line asks for."
@@ -495,7 +531,7 @@ def resolve_run(config:str=None, overrides=(), out:str=None, max_steps:int=None,
     name = cfg.training.run_name or f"{Path(config).stem if config else 'tiny-cpu'}-{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, Path(out) if out else Path(cfg.training.out_dir) / name
 
-# %% ../nbs/10_train.ipynb #a33d321b
+# %% ../nbs/10_train.ipynb #0a05440c
 from fastcore.script import call_parse, CliError
 
 def _summary(trainer:Trainer) -> str:
