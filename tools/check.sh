@@ -17,6 +17,8 @@ python tools/readme.py --check
 echo "== nbdev-test"
 # one BLAS thread per notebook worker: two workers with two threads each on two cores stall each other
 OMP_NUM_THREADS=1 nbdev-test --n-workers "${NBDEV_WORKERS:-2}"
+echo "== nbdev-test examples (chained: 02 starts from 01's run, 03 from 02's)"
+OMP_NUM_THREADS=1 nbdev-test examples --n-workers "${NBDEV_WORKERS:-2}"
 
 echo "== pytest"
 # pytest exits 5 when it collects no test: with set -e that fails this script, as it should.
