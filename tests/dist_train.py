@@ -1,5 +1,5 @@
 "Run under torchrun by test_train.py: train a small model with DDP or FSDP2, then write a digest of this rank's full weights."
-import hashlib, json, sys
+import hashlib, json, os, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from cipher_nb.config import load_config
@@ -19,4 +19,5 @@ for name, p in sorted(tr.model.named_parameters()):
 losses = [r['loss'] for r in map(json.loads, (out / 'run/metrics.jsonl').read_text().splitlines()) if 'loss' in r] if dist.get_rank() == 0 else []
 obj = [losses]; dist.broadcast_object_list(obj, src=0)
 (out / f'rank{dist.get_rank()}.json').write_text(json.dumps(dict(sha=digest.hexdigest(), step=tr.step, loss_first=obj[0][0], loss_last=obj[0][-1])))
-dist.destroy_process_group()
+dist.barrier()
+os._exit(0)   # no interpreter teardown: gloo's threads at shutdown sometimes abort a rank after the work has passed
