@@ -46,7 +46,8 @@ def run_one(a) -> dict:
     import torch
     torch.set_num_threads(a.threads)
     from cipher_nb.config import load_config, param_counts
-    from cipher_nb.train import build_trainer, heldout_metrics, peak_memory_gb, run_callbacks, CurriculumCallback
+    from cipher_nb.train import build_trainer, heldout_metrics, run_callbacks, CurriculumCallback
+    from cipher_nb.monitor import mem_gb
     from cipher_nb.curriculum import build_loader
     from cipher_nb.data import build_codec
     base = load_config(a.config, a.overrides)
@@ -84,7 +85,7 @@ def run_one(a) -> dict:
         return dict(name=a.one, seed=a.seed, clock=a.clock, threads=a.threads, budget=a.budget, seconds=used,
                     wall=time.perf_counter() - wall0, steps=tr.step, tokens=tr.tokens, tok_per_s=tr.tokens / used,
                     bpb=curve[-1]['bpb'], curve=curve, params=pc['total'], active=pc['active'],
-                    peak_gb=peak_memory_gb(tr.device), overrides=over[:-1])
+                    peak_gb=mem_gb(tr.device), overrides=over[:-1])
 
 
 def _mean_sd(xs):
