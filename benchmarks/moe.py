@@ -22,7 +22,9 @@ from cipher_nb.moe import MoE, SwiGLU, resolve_moe_impl, MOE_IMPLS
 
 # name: (batch, seq, d_model, n_routed, top_k, expert_d_ff, n_shared)
 SHAPES = {
-    'cpu': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (4, 2048, 768, 64, 6, 192, 2)},
+    'cpu': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (4, 2048, 768, 64, 6, 192, 2),
+            'tiny-cpu': (16, 256, 128, 32, 2, 128, 1),            # the default cipher-train model's MoE layers
+            'h100 preset, 128 tokens': (1, 128, 512, 32, 4, 128, 2)},   # a short batch: 16 rows per expert
     'cuda': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (8, 4096, 2048, 64, 8, 512, 2)},
 }
 
@@ -174,7 +176,7 @@ def main(
     device:str='cpu',   # cpu | cuda (bf16, more repetitions, TFLOP/s and peak memory)
     paths:bool=False,   # also time every forced dispatch path of ours (grouped, bmm, loop)
     reps:int=0,         # timed repetitions per contender; 0 = 3 on CPU, 20 on CUDA
-    shape:str='',       # only this shape ('h100 preset' or 'larger'); empty = both
+    shape:str='',       # only this shape (a name in SHAPES, e.g. 'h100 preset'); empty = all of the device's
     compile:bool=False, # also time torch.compile'd versions of ours and of the dense FFN
     profile:bool=False, # print the top operators of one step of ours
 ):

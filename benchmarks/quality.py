@@ -1,7 +1,7 @@
 """Quality per compute: held-out bits per byte that each architecture reaches for the same budget, trained through
 cipher_nb's own loop on the embedded standard-library corpus.
 
-    python benchmarks/quality.py                              # 4 contenders, 1 seed, 150 CPU-seconds each
+    python benchmarks/quality.py                              # 4 contenders, 1 seed, 400 CPU-seconds each
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
     python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (applied to every contender)
 
@@ -135,7 +135,7 @@ def main():
     p.add_argument('overrides', nargs='*', help='section.key=value overrides applied to every contender')
     p.add_argument('--config', default=None, help='a YAML preset (default: the config defaults = tiny-cpu)')
     p.add_argument('--contenders', default=','.join(CONTENDERS), help='comma-separated subset of ' + ', '.join(CONTENDERS))
-    p.add_argument('--budget', type=float, default=150.0, help='clock seconds of training per run')
+    p.add_argument('--budget', type=float, default=400.0, help='clock seconds of training per run (400: about the CPU time of the default cipher-train run)')
     p.add_argument('--clock', choices=('cpu', 'wall'), default='cpu', help='cpu: process CPU time; wall: elapsed time')
     p.add_argument('--threads', type=int, default=1, help='torch threads per run')
     p.add_argument('--seeds', type=int, default=1, help='seeds per contender (0, 1, ...)')

@@ -32,15 +32,15 @@ def _dict(**kw): return field(default_factory=lambda: dict(kw))
 class ModelConfig:
     "Shape of the network: attention, FFN / MoE, recurrent depth and the byte-level boundary predictor."
     vocab:int = 272                 # 256 bytes + 16 specials; 32768 for the token-level H100 preset
-    d_model:int = 256
+    d_model:int = 128
     n_layers:int = 4                # main layers (with recurrence: n_prelude + n_core + n_coda)
-    n_heads:int = 4
-    n_kv_heads:int = 2
+    n_heads:int = 2
+    n_kv_heads:int = 1
     head_dim:int = 64
     d_ff:int = 0                    # dense SwiGLU width; 0 = same active width as the MoE, (top_k + n_shared) * expert_d_ff
     n_dense_layers:int = 1          # the first main layers use a dense FFN instead of the MoE
     # MoE
-    n_routed:int = 8
+    n_routed:int = 32
     n_shared:int = 1
     top_k:int = 2
     expert_d_ff:int = 128
@@ -119,7 +119,7 @@ class TrainConfig:
     lr:float = 1e-3
     min_lr:float = 1e-4
     warmup_steps:int = 30
-    max_steps:int = 300
+    max_steps:int = 800
     weight_decay:float = 0.1
     grad_clip:float = 1.0
     precision:str = 'auto'          # auto | bf16 | fp16 | fp32 | fp8 | mxfp8 | nvfp4
@@ -131,8 +131,8 @@ class TrainConfig:
     max_nonfinite:int = 5           # consecutive skipped steps before the run stops
     eval_batches:int = 8
     eval_at_start:bool = False      # also evaluate before the first step (SFT: the source checkpoint)
-    checkpoint_every:int = cosmetic(100)
-    eval_every:int = cosmetic(100)
+    checkpoint_every:int = cosmetic(200)
+    eval_every:int = cosmetic(200)
     log_every:int = cosmetic(10)
     keep_last:int = cosmetic(3)
     out_dir:str = cosmetic('runs')

@@ -401,7 +401,9 @@ def build_optimizer(model:nn.Module, cfg:Config) -> torch.optim.Optimizer:
         except ImportError as e: raise ImportError("optim.name = 'adamw8bit' needs bitsandbytes: pip install bitsandbytes, or set optim.name=adamw") from e
         return bnb.optim.AdamW8bit(groups, **kw)
     params = [p for g in groups for p in g['params']]
-    fused = bool(params) and all(p.is_cuda for p in params)   # torchao's weight wrappers unwrap for it too
+    # fused on CUDA (torchao's weight wrappers unwrap for it too) and on CPU, where it is 5.8x faster than foreach on
+    # the tiny-cpu MoE's 5.3M parameters (3.8 against 21.9 ms a step, one thread): most are experts, updated every step
+    fused = bool(params) and len({p.device.type for p in params}) == 1 and params[0].device.type in ('cuda', 'cpu')
     return torch.optim.AdamW(groups, fused=True if fused else None, **kw)
 
 def optimizer_kind(opt:torch.optim.Optimizer) -> str:
