@@ -1,7 +1,7 @@
 """Forward + backward time of cipher_nb's MoE block against a HF-style expert loop and a dense SwiGLU of the same
 active FLOPs per token, side by side in one process, with ratios.
 
-    python benchmarks/moe.py                      # CPU, fp32, about two minutes on 2 cores
+    python benchmarks/moe.py                      # CPU, fp32, about a minute on 2 cores
     python benchmarks/moe.py --device cuda --paths  # a GPU, bf16, every dispatch path, TFLOP/s and peak memory
 
 Contenders (all with the same shared experts, and the same loss `(y * g).sum()` on a fixed random `g`):
@@ -23,7 +23,7 @@ from cipher_nb.moe import MoE, SwiGLU, resolve_moe_impl, MOE_IMPLS
 # name: (batch, seq, d_model, n_routed, top_k, expert_d_ff, n_shared)
 SHAPES = {
     'cpu': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (4, 2048, 768, 64, 6, 192, 2),
-            'tiny-cpu': (16, 256, 128, 32, 2, 128, 1),            # the default cipher-train model's MoE layers
+            'tiny-cpu': (16, 256, 128, 8, 2, 128, 1),             # the default cipher-train model's MoE layers
             'h100 preset, 128 tokens': (1, 128, 512, 32, 4, 128, 2)},   # a short batch: 16 rows per expert
     'cuda': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (8, 4096, 2048, 64, 8, 512, 2)},
 }

@@ -40,7 +40,7 @@ class ModelConfig:
     d_ff:int = 0                    # dense SwiGLU width; 0 = same active width as the MoE, (top_k + n_shared) * expert_d_ff
     n_dense_layers:int = 1          # the first main layers use a dense FFN instead of the MoE
     # MoE
-    n_routed:int = 32
+    n_routed:int = 8
     n_shared:int = 1
     top_k:int = 2
     expert_d_ff:int = 128
