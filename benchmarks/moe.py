@@ -23,7 +23,7 @@ from cipher_nb.moe import MoE, SwiGLU, resolve_moe_impl, MOE_IMPLS
 # name: (batch, seq, d_model, n_routed, top_k, expert_d_ff, n_shared)
 SHAPES = {
     'cpu': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (4, 2048, 768, 64, 6, 192, 2),
-            'tiny-cpu': (16, 256, 128, 8, 2, 128, 1),             # the default cipher-train model's MoE layers
+            'tiny-cpu': (16, 256, 128, 32, 2, 128, 1),            # the default cipher-train model's MoE layers
             'h100 preset, 128 tokens': (1, 128, 512, 32, 4, 128, 2)},   # a short batch: 16 rows per expert
     'cuda': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (8, 4096, 2048, 64, 8, 512, 2)},
 }
@@ -66,7 +66,7 @@ def copy_weights(hf:HFStyleMoE, moe:MoE):
 def check_same_function(device, dtype):
     "The HF-style baseline and every path of ours agree on a small case (so the race is between equals)."
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=64, n_routed=8, top_k=2, expert_d_ff=32, n_shared=1, init_std=.1)
+    cfg = ModelConfig(d_model=64, n_routed=8, top_k=2, expert_d_ff=32, n_shared=1, init_std=.1, router_score='softmax')   # Mixtral's
     moe = MoE(cfg).to(device)
     hf = HFStyleMoE(64, 8, 2, 32, 1).to(device)
     copy_weights(hf, moe)
@@ -83,7 +83,7 @@ def check_same_function(device, dtype):
 def contenders(shape, device, dtype, paths, compile=False):
     "name -> (module, forward returning the tensor the loss is taken on)."
     B, T, d, E, k, h, s = shape
-    cfg = ModelConfig(d_model=d, n_routed=E, top_k=k, expert_d_ff=h, n_shared=s)
+    cfg = ModelConfig(d_model=d, n_routed=E, top_k=k, expert_d_ff=h, n_shared=s, router_score='softmax')   # as the HF-style block
     auto = resolve_moe_impl('auto', device, dtype, d, h)
     out = {}
     for impl in (['auto'] + list(MOE_IMPLS) if paths else ['auto']):

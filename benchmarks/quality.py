@@ -1,9 +1,10 @@
-"""Quality per compute: held-out bits per byte that each architecture reaches for the same budget, trained through
-cipher_nb's own loop on the embedded standard-library corpus.
+"""Quality per compute: held-out bits per byte that each architecture reaches for the same compute budget, trained
+through cipher_nb's own loop on the embedded standard-library corpus.
 
     python benchmarks/quality.py                              # 4 contenders, 1 seed, 400 CPU-seconds each
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
     python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (applied to every contender)
+    python benchmarks/quality.py --calibrate-only             # just the step-cost table
 
 Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `--config`, plus any `a.b=c` overrides):
   dense      a GPT with the MoE's active path as its FFN: model.n_routed=0, so d_ff = (top_k + n_shared) * expert_d_ff
@@ -11,17 +12,18 @@ Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `-
   moe+bp     the MoE with the byte-level boundary predictor (model.boundary=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
 
-Each run is its own process (so peak memory is that run's own resident set) and trains with
-`cipher_nb.train.build_trainer` + `Trainer.train_step` until its budget is spent. The budget is measured on a clock:
-`--clock cpu` (default) is the process's CPU time (`time.process_time`) with torch on `--threads` threads, which other
-people's jobs on a shared machine do not inflate; `--clock wall` is elapsed time. The learning-rate schedule needs a
-step count: it is estimated from the first steps and re-estimated at a quarter of the budget, so every run ends its
-cosine decay when its budget ends. Held-out bits per byte come only from `cipher_nb.train.heldout_metrics` on the
-same `--eval-batches` held-out batches for every contender (nats over real bytes, specials excluded, / ln 2),
-measured at `--eval-points` points along the budget (evaluation time is not charged to the budget).
-Writes `--out`.md (the table), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
+Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up,
+then timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round),
+on `--threads` torch threads, and each contender's cost is the median of its rounds. `--clock cpu` (default) is the
+process's CPU time, `--clock wall` elapsed time. The budget then buys each contender `budget / cost` steps, and each
+trains exactly that many (its own process, its cosine schedule ending at its last step), so the held-out figures do
+not depend on how busy the machine was during training: a run that happened to share its core would otherwise get
+fewer steps and a worse score. Every run also reports the clock time its training really used, as a cross-check.
+Held-out bits per byte come only from `cipher_nb.train.heldout_metrics` on the same `--eval-batches` held-out batches
+for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps.
+Writes `--out`.md (both tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
 """
-import argparse, json, math, os, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, statistics, subprocess, sys, tempfile, time
 from itertools import islice
 from pathlib import Path
 
@@ -41,55 +43,90 @@ def contender_overrides(name:str, cfg) -> list:
     raise SystemExit(f"unknown contender '{name}': choose from {', '.join(CONTENDERS)}")
 
 
+def contender_trainer(a, name:str, seed:int, steps:int, run_dir:Path):
+    "A trainer for contender `name` (no checkpoints, no monitor: only the curriculum callback) and its overrides."
+    from cipher_nb.config import load_config
+    from cipher_nb.train import build_trainer, CurriculumCallback
+    over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f'training.seed={seed}']
+    cfg = load_config(a.config, [*over, f'training.max_steps={steps}'])
+    tr = build_trainer(cfg, run_dir, progress=False)
+    tr.callbacks = [c for c in tr.callbacks if isinstance(c, CurriculumCallback)]
+    tr.model.train()
+    return tr, over
+
+
+def _step(tr):
+    from cipher_nb.train import run_callbacks
+    run_callbacks(tr.callbacks, 'before_step', tr)
+    tr.train_step()
+
+
+def calibrate(a, names:list) -> dict:
+    "Seconds per training step of each contender: median of interleaved timed rounds in this process."
+    import torch
+    torch.set_num_threads(a.threads)
+    clock = time.process_time if a.clock == 'cpu' else time.perf_counter
+    times = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        trs = {n: contender_trainer(a, n, 0, 10 ** 6, Path(tmp) / n)[0] for n in names}
+        for tr in trs.values():
+            for _ in range(a.round_steps): _step(tr)      # warm-up: allocator, caches, first-call paths
+        for r in range(a.rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                c0 = clock()
+                for _ in range(a.round_steps): _step(trs[n])
+                times[n].append((clock() - c0) / a.round_steps)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
 def run_one(a) -> dict:
-    "Train one contender for one seed within the budget; return its numbers and curve."
+    "Train one contender for one seed for its `--steps`; return its numbers and curve."
     import torch
     torch.set_num_threads(a.threads)
     from cipher_nb.config import load_config, param_counts
-    from cipher_nb.train import build_trainer, heldout_metrics, run_callbacks, CurriculumCallback
+    from cipher_nb.train import heldout_metrics
     from cipher_nb.monitor import mem_gb
     from cipher_nb.curriculum import build_loader
     from cipher_nb.data import build_codec
-    base = load_config(a.config, a.overrides)
-    over = [*a.overrides, *contender_overrides(a.one, base), f'training.seed={a.seed}', 'training.max_steps=1000000']
-    cfg = load_config(a.config, over)
     clock = time.process_time if a.clock == 'cpu' else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
-        tr = build_trainer(cfg, Path(tmp) / 'run', progress=False)
-        tr.callbacks = [c for c in tr.callbacks if isinstance(c, CurriculumCallback)]   # no checkpoints, no monitor
+        tr, over = contender_trainer(a, a.one, a.seed, a.steps, Path(tmp) / 'run')
+        base = load_config(a.config, a.overrides)
         # the held-out set of the BASE config (same data, batch and length for every contender)
         heldout = list(islice(iter(build_loader(base, 'heldout', 0, 1)), a.eval_batches))
-        lengths = torch.as_tensor(build_codec(cfg.data).byte_lengths)
+        lengths = torch.as_tensor(build_codec(tr.cfg.data).byte_lengths)
         def ev():
             tr.model.eval()
             try: return heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype)['val/bpb']
             finally: tr.model.train()
-        t = tr.cfg.training
-        points = [a.budget * (i + 1) / a.eval_points for i in range(a.eval_points)]
-        used, wall0, curve, calibrated = 0.0, time.perf_counter(), [], 0
-        tr.model.train()
-        while True:
+        points = sorted({max(1, round(a.steps * (i + 1) / a.eval_points)) for i in range(a.eval_points)})
+        used, wall0, curve = 0.0, time.perf_counter(), []
+        while tr.step < a.steps:
             c0 = clock()
-            run_callbacks(tr.callbacks, 'before_step', tr)
-            tr.train_step()
+            _step(tr)
             used += clock() - c0
-            if (calibrated == 0 and tr.step >= 5) or (calibrated == 1 and used >= a.budget / 4):
-                t.max_steps = max(t.warmup_steps + 1, tr.step, int(a.budget / (used / tr.step)))   # the cosine ends with the budget
-                calibrated += 1
-            done = used >= a.budget or tr.step >= t.max_steps
-            while points and (points[0] <= used or done):
-                curve.append(dict(seconds=round(used, 2), step=tr.step, bpb=ev()))
-                points.pop(0)
-            if done: break
+            if tr.step in points: curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))
+        cfg = tr.cfg
         pc = param_counts(cfg.model)
-        return dict(name=a.one, seed=a.seed, clock=a.clock, threads=a.threads, budget=a.budget, seconds=used,
-                    wall=time.perf_counter() - wall0, steps=tr.step, tokens=tr.tokens, tok_per_s=tr.tokens / used,
+        return dict(name=a.one, seed=a.seed, clock=a.clock, threads=a.threads, budget=a.budget, cost=a.cost,
+                    seconds=a.steps * a.cost, used=used, wall=time.perf_counter() - wall0, steps=tr.step,
+                    tokens=tr.tokens, tok_per_s=tr.tokens / (a.steps * a.cost),
                     bpb=curve[-1]['bpb'], curve=curve, params=pc['total'], active=pc['active'],
-                    peak_gb=mem_gb(tr.device), overrides=over[:-1])
+                    peak_gb=mem_gb(tr.device), overrides=over)
 
 
 def _mean_sd(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def cost_table(costs:dict, budget:float, clock:str, threads:int) -> str:
+    "The calibration: each contender's step cost, its ratio to dense and the steps the budget buys it."
+    ref = costs.get('dense')
+    lines = [f"step cost ({clock} clock, {threads} torch thread(s), median of interleaved rounds in one process):", '',
+             '| contender | ms per step | vs dense | steps in the budget |', '|---|---|---|---|']
+    for n, c in costs.items():
+        lines.append(f"| {n} | {c * 1e3:.1f} | {f'{c / ref:.2f}x' if ref else ''} | {int(budget / c)} |")
+    return '\n'.join(lines)
 
 
 def table(runs:list, names:list) -> str:
@@ -97,20 +134,21 @@ def table(runs:list, names:list) -> str:
     by = {n: [r for r in runs if r['name'] == n] for n in names}
     ref = statistics.mean(r['bpb'] for r in by['dense']) if by.get('dense') else None
     r0 = runs[0]
-    lines = [f"clock: {r0['clock']} ({r0['threads']} torch thread(s)), budget {r0['budget']:g} s per run, "
+    lines = [f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
              f"seeds per contender: {len(by[names[0]])}",
-             '', '| contender | held-out bpb | vs dense | steps | tok/s | params (total) | params (active) | peak RSS GB |',
-             '|---|---|---|---|---|---|---|---|']
+             '', '| contender | held-out bpb | vs dense | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |',
+             '|---|---|---|---|---|---|---|---|---|']
     for n in names:
         rs = by[n]
         m, sd = _mean_sd([r['bpb'] for r in rs])
         bpb = f'{m:.4f} ± {sd:.4f}' if len(rs) > 1 else f'{m:.4f}'
         vs = f'{m - ref:+.4f}' if ref is not None else ''
-        lines.append(f"| {n} | {bpb} | {vs} | {statistics.mean(r['steps'] for r in rs):.0f} | "
-                     f"{statistics.mean(r['tok_per_s'] for r in rs):,.0f} | {rs[0]['params'] / 1e6:.2f}M | "
-                     f"{rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} |")
+        lines.append(f"| {n} | {bpb} | {vs} | {rs[0]['steps']} | {statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
+                     f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
+                     f"{statistics.mean(r['used'] for r in rs):.0f} |")
     lines.append('')
-    lines.append('(± is the sample standard deviation over seeds; tok/s counts bytes and specials per clock second)')
+    lines.append('(± is the sample standard deviation over seeds; tok/s counts bytes and specials per budget second; '
+                 'clock-s used is what training took in its own process, the cross-check of the step cost)')
     return '\n'.join(lines)
 
 
@@ -124,7 +162,7 @@ def plot(runs:list, names:list, path:Path):
             xs, ys = [p['seconds'] for p in r['curve']], [p['bpb'] for p in r['curve']]
             ax.plot(xs, ys, marker='o', ms=3, color=f'C{i}', alpha=0.9 if j == 0 else 0.5, label=n if j == 0 else None)
     r0 = runs[0]
-    ax.set_xlabel(f"{'CPU' if r0['clock'] == 'cpu' else 'wall-clock'} seconds ({r0['threads']} torch thread(s))")
+    ax.set_xlabel(f"{'CPU' if r0['clock'] == 'cpu' else 'wall-clock'} seconds: steps x measured step cost ({r0['threads']} torch thread(s))")
     ax.set_ylabel('held-out bits per byte'); ax.grid(alpha=0.3); ax.legend()
     ax.set_title('cipher_nb quality per compute (stdlib corpus)')
     fig.tight_layout(); fig.savefig(path, dpi=120); plt.close(fig)
@@ -137,26 +175,37 @@ def main():
     p.add_argument('--contenders', default=','.join(CONTENDERS), help='comma-separated subset of ' + ', '.join(CONTENDERS))
     p.add_argument('--budget', type=float, default=400.0, help='clock seconds of training per run (400: about the CPU time of the default cipher-train run)')
     p.add_argument('--clock', choices=('cpu', 'wall'), default='cpu', help='cpu: process CPU time; wall: elapsed time')
-    p.add_argument('--threads', type=int, default=1, help='torch threads per run')
+    p.add_argument('--threads', type=int, default=1, help='torch threads (calibration and runs)')
+    p.add_argument('--rounds', type=int, default=5, help='interleaved timing rounds per contender')
+    p.add_argument('--round-steps', type=int, default=4, help='training steps per timing round')
+    p.add_argument('--calibrate-only', action='store_true', help='print the step-cost table and stop')
     p.add_argument('--seeds', type=int, default=1, help='seeds per contender (0, 1, ...)')
-    p.add_argument('--jobs', type=int, default=1, help='runs at once (only fair with --clock cpu)')
-    p.add_argument('--eval-points', type=int, default=6, help='held-out evaluations along the budget')
+    p.add_argument('--jobs', type=int, default=1, help='training runs at once (their step counts are fixed, so sharing cores does not change the scores)')
+    p.add_argument('--eval-points', type=int, default=6, help='held-out evaluations along the steps')
     p.add_argument('--eval-batches', type=int, default=8, help='held-out batches (the same for every contender)')
     p.add_argument('--out', default=str(ROOT / 'benchmarks/results/quality'), help='output prefix (.md, .json, .png)')
     p.add_argument('--one', default=None, help=argparse.SUPPRESS)     # internal: run one contender in this process
     p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument('--steps', type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument('--cost', type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument('--json', default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
-        res = run_one(a)
-        Path(a.json).write_text(json.dumps(res))
+        Path(a.json).write_text(json.dumps(run_one(a)))
         return
-    if a.jobs > 1 and a.clock == 'wall': sys.exit('--jobs > 1 makes runs share the cores: use --clock cpu with it')
     names = [n.strip() for n in a.contenders.split(',') if n.strip()]
     for n in names:
         if n not in CONTENDERS: sys.exit(f"unknown contender '{n}': choose from {', '.join(CONTENDERS)}")
+    costs = calibrate(a, names)
+    ctext = cost_table(costs, a.budget, a.clock, a.threads)
+    print(ctext + '\n', flush=True)
+    if a.calibrate_only: return
+    from cipher_nb.config import load_config
+    warmup = load_config(a.config, a.overrides).training.warmup_steps
+    short = [n for n in names if int(a.budget / costs[n]) <= warmup]
+    if short: sys.exit(f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, not more than "
+                       f"training.warmup_steps ({warmup}): raise --budget or lower training.warmup_steps")
     out = Path(a.out); out.parent.mkdir(parents=True, exist_ok=True)
-    todo = [(n, s) for s in range(a.seeds) for n in names]
     tmp = Path(tempfile.mkdtemp(prefix='quality-'))
     base = [sys.executable, __file__, *a.overrides, '--budget', str(a.budget), '--clock', a.clock,
             '--threads', str(a.threads), '--eval-points', str(a.eval_points), '--eval-batches', str(a.eval_batches)]
@@ -169,20 +218,22 @@ def main():
             if block or proc.poll() is not None:
                 if proc.wait() != 0: sys.exit(f'{n} seed {s} failed (exit {proc.returncode})')
                 r = json.loads(j.read_text()); runs.append(r); running.remove(job)
-                print(f"{n:>10} seed {s}: bpb {r['bpb']:.4f} after {r['steps']} steps, {r['seconds']:.0f} {a.clock}-s "
-                      f"({r['wall']:.0f} wall-s)", flush=True)
+                print(f"{n:>10} seed {s}: bpb {r['bpb']:.4f} after {r['steps']} steps "
+                      f"({r['used']:.0f} {a.clock}-s used, {r['wall']:.0f} wall-s)", flush=True)
                 if not block: return
-    for n, s in todo:
-        while len(running) >= a.jobs: reap(False); time.sleep(0.5)
-        j = tmp / f'{n}-{s}.json'
-        running.append((n, s, j, subprocess.Popen([*base, '--one', n, '--seed', str(s), '--json', str(j)], env=env)))
+    for s in range(a.seeds):
+        for n in names:
+            while len(running) >= a.jobs: reap(False); time.sleep(0.5)
+            j = tmp / f'{n}-{s}.json'
+            cmd = [*base, '--one', n, '--seed', str(s), '--steps', str(int(a.budget / costs[n])), '--cost', repr(costs[n]), '--json', str(j)]
+            running.append((n, s, j, subprocess.Popen(cmd, env=env)))
     while running: reap(True)
     runs.sort(key=lambda r: (names.index(r['name']), r['seed']))
     cmd = 'python benchmarks/quality.py ' + ' '.join(sys.argv[1:])
-    text = f"`{cmd}`\n\n" + table(runs, names)
+    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names)
     print('\n' + text)
     out.with_suffix('.md').write_text(text + '\n')
-    out.with_suffix('.json').write_text(json.dumps(dict(command=cmd, runs=runs), indent=1))
+    out.with_suffix('.json').write_text(json.dumps(dict(command=cmd, costs=costs, runs=runs), indent=1))
     plot(runs, names, out.with_suffix('.png'))
     print(f"\nwrote {out.with_suffix('.md')}, {out.with_suffix('.json')}, {out.with_suffix('.png')}")
 

@@ -40,11 +40,11 @@ class ModelConfig:
     d_ff:int = 0                    # dense SwiGLU width; 0 = same active width as the MoE, (top_k + n_shared) * expert_d_ff
     n_dense_layers:int = 1          # the first main layers use a dense FFN instead of the MoE
     # MoE
-    n_routed:int = 8
+    n_routed:int = 32
     n_shared:int = 1
     top_k:int = 2
     expert_d_ff:int = 128
-    router_score:str = 'softmax'    # softmax | sigmoid
+    router_score:str = 'sigmoid'    # sigmoid (DeepSeek-V3, what the balancing bias is scaled for) | softmax
     router_renorm:bool = True       # renormalise gates over the selected experts
     route_scale:float = 1.0
     bias_balance:bool = True        # DeepSeek-V3 auxiliary-loss-free balancing
