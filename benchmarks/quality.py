@@ -1,7 +1,7 @@
 """Quality per compute: held-out bits per byte that each architecture reaches for the same compute budget, trained
 through cipher_nb's own loop on the embedded standard-library corpus.
 
-    python benchmarks/quality.py                              # 4 contenders, 1 seed, 400 CPU-seconds each
+    python benchmarks/quality.py                              # 4 contenders, 1 seed, 800 CPU-seconds each
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
     python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (applied to every contender)
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
@@ -93,7 +93,7 @@ def run_one(a) -> dict:
         tr, over = contender_trainer(a, a.one, a.seed, a.steps, Path(tmp) / 'run')
         base = load_config(a.config, a.overrides)
         # the held-out set of the BASE config (same data, batch and length for every contender)
-        heldout = list(islice(iter(build_loader(base, 'heldout', 0, 1)), a.eval_batches))
+        heldout = list(islice(iter(build_loader(base, 'heldout', 0, 1)), a.eval_batches or base.training.eval_batches))
         lengths = torch.as_tensor(build_codec(tr.cfg.data).byte_lengths)
         def ev():
             tr.model.eval()
@@ -129,26 +129,37 @@ def cost_table(costs:dict, budget:float, clock:str, threads:int) -> str:
     return '\n'.join(lines)
 
 
+def paired(rs:list, ref:list) -> list:
+    "Per-seed differences `rs - ref` over the seeds both have (a seed gives every contender the same data order)."
+    by_seed = {r['seed']: r['bpb'] for r in ref}
+    return [r['bpb'] - by_seed[r['seed']] for r in rs if r['seed'] in by_seed]
+
+
 def table(runs:list, names:list) -> str:
-    "The side-by-side table (mean over seeds, with the spread when there are several)."
+    "The side-by-side table: mean over seeds with its spread, and the per-seed difference from dense."
     by = {n: [r for r in runs if r['name'] == n] for n in names}
-    ref = statistics.mean(r['bpb'] for r in by['dense']) if by.get('dense') else None
     r0 = runs[0]
     lines = [f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
              f"seeds per contender: {len(by[names[0]])}",
-             '', '| contender | held-out bpb | vs dense | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |',
-             '|---|---|---|---|---|---|---|---|---|']
+             '', '| contender | held-out bpb | vs dense, same seed | ahead of dense | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |',
+             '|---|---|---|---|---|---|---|---|---|---|']
     for n in names:
         rs = by[n]
         m, sd = _mean_sd([r['bpb'] for r in rs])
         bpb = f'{m:.4f} ± {sd:.4f}' if len(rs) > 1 else f'{m:.4f}'
-        vs = f'{m - ref:+.4f}' if ref is not None else ''
-        lines.append(f"| {n} | {bpb} | {vs} | {rs[0]['steps']} | {statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
+        d = paired(rs, by.get('dense', [])) if n != 'dense' else []
+        dm, dsd = _mean_sd(d) if d else (0.0, 0.0)
+        vs = '' if not d else f'{dm:+.4f} ± {dsd:.4f}' if len(d) > 1 else f'{dm:+.4f}'
+        ahead = f'{sum(x < 0 for x in d)}/{len(d)} seeds' if d else ''
+        lines.append(f"| {n} | {bpb} | {vs} | {ahead} | {rs[0]['steps']} | {statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
                      f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
                      f"{statistics.mean(r['used'] for r in rs):.0f} |")
     lines.append('')
-    lines.append('(± is the sample standard deviation over seeds; tok/s counts bytes and specials per budget second; '
-                 'clock-s used is what training took in its own process, the cross-check of the step cost)')
+    lines.append('(held-out bpb: mean ± sample standard deviation over seeds; vs dense: the mean over seeds of the contender '
+                 'minus dense on the same seed, ± the standard deviation of that difference: a seed fixes the data order, '
+                 'which moves every contender alike, so this is the spread to weigh a gap against; tok/s counts bytes and '
+                 'specials per budget second; clock-s used is what training took in its own process, the cross-check of '
+                 'the step cost)')
     return '\n'.join(lines)
 
 
@@ -173,7 +184,7 @@ def main():
     p.add_argument('overrides', nargs='*', help='section.key=value overrides applied to every contender')
     p.add_argument('--config', default=None, help='a YAML preset (default: the config defaults = tiny-cpu)')
     p.add_argument('--contenders', default=','.join(CONTENDERS), help='comma-separated subset of ' + ', '.join(CONTENDERS))
-    p.add_argument('--budget', type=float, default=400.0, help='clock seconds of training per run (400: about the CPU time of the default cipher-train run)')
+    p.add_argument('--budget', type=float, default=800.0, help='clock seconds of training per run (800: about the CPU time of the default cipher-train run)')
     p.add_argument('--clock', choices=('cpu', 'wall'), default='cpu', help='cpu: process CPU time; wall: elapsed time')
     p.add_argument('--threads', type=int, default=1, help='torch threads (calibration and runs)')
     p.add_argument('--rounds', type=int, default=5, help='interleaved timing rounds per contender')
@@ -182,7 +193,7 @@ def main():
     p.add_argument('--seeds', type=int, default=1, help='seeds per contender (0, 1, ...)')
     p.add_argument('--jobs', type=int, default=1, help='training runs at once (their step counts are fixed, so sharing cores does not change the scores)')
     p.add_argument('--eval-points', type=int, default=6, help='held-out evaluations along the steps')
-    p.add_argument('--eval-batches', type=int, default=8, help='held-out batches (the same for every contender)')
+    p.add_argument('--eval-batches', type=int, default=0, help="held-out batches (the same for every contender; 0: the config's training.eval_batches)")
     p.add_argument('--out', default=str(ROOT / 'benchmarks/results/quality'), help='output prefix (.md, .json, .png)')
     p.add_argument('--one', default=None, help=argparse.SUPPRESS)     # internal: run one contender in this process
     p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS)
