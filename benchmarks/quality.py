@@ -148,9 +148,11 @@ def table(runs:list, names:list) -> str:
         m, sd = _mean_sd([r['bpb'] for r in rs])
         bpb = f'{m:.4f} ± {sd:.4f}' if len(rs) > 1 else f'{m:.4f}'
         d = paired(rs, by.get('dense', [])) if n != 'dense' else []
-        dm, dsd = _mean_sd(d) if d else (0.0, 0.0)
-        vs = '' if not d else f'{dm:+.4f} ± {dsd:.4f}' if len(d) > 1 else f'{dm:+.4f}'
-        ahead = f'{sum(x < 0 for x in d)}/{len(d)} seeds' if d else ''
+        vs = ahead = ''
+        if d:
+            dm, dsd = _mean_sd(d)
+            vs = f'{dm:+.4f} ± {dsd:.4f}' if len(d) > 1 else f'{dm:+.4f}'
+            ahead = f'{sum(x < 0 for x in d)}/{len(d)} seeds'
         lines.append(f"| {n} | {bpb} | {vs} | {ahead} | {rs[0]['steps']} | {statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
                      f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
                      f"{statistics.mean(r['used'] for r in rs):.0f} |")
