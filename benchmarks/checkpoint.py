@@ -9,108 +9,171 @@ last column divides each row's throughput by the disk copy's, so 1.0 means the s
 Each number is the median of `--repeats` runs. The model is `cipher_nb.model.CipherModel` when that module exists,
 otherwise a stand-in with exactly the preset's parameter count (same bytes; checkpoint I/O does not care about shapes).
 """
-import argparse, os, shutil, statistics, sys, tempfile, time
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from cipher_nb.checkpoint import (
+    STATE,
+    Checkpointer,
+    checkpoint_meta,
+    checkpoint_name,
+    compare_state_dicts,
+    load_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+    training_state,
+)
 from cipher_nb.config import load_config, param_counts
 from cipher_nb.core import resolve_device
-from cipher_nb.checkpoint import (Checkpointer, checkpoint_meta, checkpoint_name, compare_state_dicts, load_checkpoint,
-                                  restore_training_state, save_checkpoint, training_state, STATE)
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
 class StandIn(nn.Module):
     "Parameters adding up to `n` exactly: the (tied) embedding, square-ish blocks, and a remainder vector."
-    def __init__(self, n:int, vocab:int, d:int):
+
+    def __init__(self, n: int, vocab: int, d: int):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         left, blocks = n - vocab * d, []
         while left >= 4 * d * d:
-            blocks.append(nn.Parameter(torch.randn(d, 4 * d) * 0.02)); left -= 4 * d * d
+            blocks.append(nn.Parameter(torch.randn(d, 4 * d) * 0.02))
+            left -= 4 * d * d
         self.blocks = nn.ParameterList(blocks)
         self.rest = nn.Parameter(torch.zeros(left))
+
 
 def build(cfg, device):
     try:
         from cipher_nb.model import CipherModel
-        return CipherModel(cfg.model).to(device), 'cipher_nb.model.CipherModel'
+
+        return CipherModel(cfg.model).to(device), "cipher_nb.model.CipherModel"
     except ImportError:
-        n = param_counts(cfg.model)['total']
-        return StandIn(n, cfg.model.vocab, cfg.model.d_model).to(device), f'stand-in with {n:,} parameters (cipher_nb.model not found)'
+        n = param_counts(cfg.model)["total"]
+        return StandIn(n, cfg.model.vocab, cfg.model.d_model).to(
+            device
+        ), f"stand-in with {n:,} parameters (cipher_nb.model not found)"
+
 
 def sync(device):
-    if device.type == 'cuda': torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
-def dir_bytes(p:Path) -> int: return sum(f.stat().st_size for f in p.rglob('*') if f.is_file())
+
+def dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('--config', default=str(ROOT / 'examples/configs/h100.yaml'))
-    ap.add_argument('--repeats', type=int, default=3)
-    ap.add_argument('--dir', default=None, help='where to write (default: a temporary directory)')
-    ap.add_argument('--device', default='auto')
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "examples/configs/h100.yaml"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--device", default="auto")
     a = ap.parse_args()
 
     cfg = load_config(a.config)
     device = resolve_device(a.device)
     model, what = build(cfg, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.training.weight_decay)
-    for p in model.parameters(): p.grad = torch.randn_like(p) * 1e-3
-    opt.step(); opt.zero_grad(set_to_none=True)   # AdamW's exp_avg / exp_avg_sq now exist
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.training.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.training.weight_decay
+    )
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)  # AdamW's exp_avg / exp_avg_sq now exist
     n_params = sum(p.numel() for p in model.parameters())
-    work = Path(a.dir or tempfile.mkdtemp(prefix='cipher-ckpt-bench-')); work.mkdir(parents=True, exist_ok=True)
+    work = Path(a.dir or tempfile.mkdtemp(prefix="cipher-ckpt-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     meta = checkpoint_meta(cfg, step=1, tokens=0)
     print(f"model: {what}; {n_params:,} parameters on {device}; AdamW state; writing to {work}")
 
-    def state(): return training_state(model, opt, step=1, tokens=0, data_state=dict(offset=0))
+    def state():
+        return training_state(model, opt, step=1, tokens=0, data_state=dict(offset=0))
+
     def fresh(p):
-        shutil.rmtree(p, ignore_errors=True); return p
+        shutil.rmtree(p, ignore_errors=True)
+        return p
 
     # one Checkpointer for the background rows, as in training: its host buffers are allocated by the first save only
-    bg = Checkpointer(work / 'bg', keep_last=1, background=True)
-    t0 = time.perf_counter(); bg.save(0, state(), meta); cold = time.perf_counter() - t0; bg.wait()
+    bg = Checkpointer(work / "bg", keep_last=1, background=True)
+    t0 = time.perf_counter()
+    bg.save(0, state(), meta)
+    cold = time.perf_counter() - t0
+    bg.wait()
     saves, copies, waits, bgs, loads = [], [], [], [], []
-    for r in range(a.repeats):   # round-robin, so the machine's noise spreads over every row alike
-        t0 = time.perf_counter(); path = save_checkpoint(fresh(work / 'ck') / 'step_0000001', state(), meta); saves.append(time.perf_counter() - t0)
-        dst = work / 'copy.bin'
-        if dst.exists(): dst.unlink()
+    for r in range(a.repeats):  # round-robin, so the machine's noise spreads over every row alike
+        t0 = time.perf_counter()
+        path = save_checkpoint(fresh(work / "ck") / "step_0000001", state(), meta)
+        saves.append(time.perf_counter() - t0)
+        dst = work / "copy.bin"
+        if dst.exists():
+            dst.unlink()
         t0 = time.perf_counter()
         shutil.copyfile(path / STATE, dst)
-        with open(dst, 'rb+') as f: os.fsync(f.fileno())
-        copies.append(time.perf_counter() - t0); dst.unlink()
-        t0 = time.perf_counter(); bg.save(r + 1, state(), meta); waits.append(time.perf_counter() - t0)
-        bg.wait(); bgs.append(time.perf_counter() - t0)
-        t0 = time.perf_counter(); restore_training_state(path, model, opt); sync(device); loads.append(time.perf_counter() - t0)
+        with open(dst, "rb+") as f:
+            os.fsync(f.fileno())
+        copies.append(time.perf_counter() - t0)
+        dst.unlink()
+        t0 = time.perf_counter()
+        bg.save(r + 1, state(), meta)
+        waits.append(time.perf_counter() - t0)
+        bg.wait()
+        bgs.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        restore_training_state(path, model, opt)
+        sync(device)
+        loads.append(time.perf_counter() - t0)
     med = statistics.median
     t_save, t_copy, t_blocked, t_bg, t_load = med(saves), med(copies), med(waits), med(bgs), med(loads)
     nbytes, state_bytes = dir_bytes(path), (path / STATE).stat().st_size
 
     mb = nbytes / 1e6
     disk = state_bytes / 1e6 / t_copy
-    rows = [('save, blocking', t_save, nbytes, f'{mb / t_save / disk:.2f}'),
-            ('save, background: loop waits, first save', cold, nbytes, f'{cold / t_save:.2f} x blocking time'),
-            ('save, background: loop waits (copy to host)', t_blocked, nbytes, f'{t_blocked / t_save:.2f} x blocking time'),
-            ('save, background: until written', t_bg, nbytes, f'{mb / t_bg / disk:.2f}'),
-            ('load (restore_training_state)', t_load, nbytes, f'{mb / t_load / disk:.2f}'),
-            ('disk: plain copy of state.pt + fsync', t_copy, state_bytes, '1.00')]
-    print(f"\ncheckpoint: {nbytes / 2**30:.2f} GiB in {len(list(path.rglob('*')))} files "
-          f"(state.pt {state_bytes / 2**30:.2f} GiB); median of {a.repeats}\n")
+    rows = [
+        ("save, blocking", t_save, nbytes, f"{mb / t_save / disk:.2f}"),
+        ("save, background: loop waits, first save", cold, nbytes, f"{cold / t_save:.2f} x blocking time"),
+        ("save, background: loop waits (copy to host)", t_blocked, nbytes, f"{t_blocked / t_save:.2f} x blocking time"),
+        ("save, background: until written", t_bg, nbytes, f"{mb / t_bg / disk:.2f}"),
+        ("load (restore_training_state)", t_load, nbytes, f"{mb / t_load / disk:.2f}"),
+        ("disk: plain copy of state.pt + fsync", t_copy, state_bytes, "1.00"),
+    ]
+    print(
+        f"\ncheckpoint: {nbytes / 2**30:.2f} GiB in {len(list(path.rglob('*')))} files "
+        f"(state.pt {state_bytes / 2**30:.2f} GiB); median of {a.repeats}\n"
+    )
     print(f"| {'what':<46} | {'seconds':>8} | {'GiB':>6} | {'MB/s':>7} | {'vs disk copy':>18} |")
     print(f"|{'-' * 48}|{'-' * 9}:|{'-' * 7}:|{'-' * 8}:|{'-' * 19}:|")
     for name, t, b, ratio in rows:
         print(f"| {name:<46} | {t:8.3f} | {b / 2**30:6.2f} | {b / 1e6 / t:7.0f} | {ratio:>18} |")
     # the numbers mean nothing if what was written is wrong: the background checkpoint must equal the live state
-    saved = load_checkpoint(work / 'bg' / checkpoint_name(a.repeats))
+    saved = load_checkpoint(work / "bg" / checkpoint_name(a.repeats))
     live = model.state_dict()
-    bad = compare_state_dicts({k: v.cpu() for k, v in live.items()}, saved['model'])
-    bad += [f'optimizer {k}' for k, v in opt.state_dict()['state'].items()
-            if any(not torch.equal(t.cpu(), saved['optimizer']['state'][k][n]) for n, t in v.items() if torch.is_tensor(t))]
-    print(f"\nchecked: the last background checkpoint equals the live model and optimizer ({len(live)} + {len(opt.state_dict()['state'])} entries): "
-          + ('yes' if not bad else f'NO: {bad[:5]}'))
-    if not a.dir: shutil.rmtree(work, ignore_errors=True)
-    if bad: sys.exit(1)
+    bad = compare_state_dicts({k: v.cpu() for k, v in live.items()}, saved["model"])
+    bad += [
+        f"optimizer {k}"
+        for k, v in opt.state_dict()["state"].items()
+        if any(not torch.equal(t.cpu(), saved["optimizer"]["state"][k][n]) for n, t in v.items() if torch.is_tensor(t))
+    ]
+    print(
+        f"\nchecked: the last background checkpoint equals the live model and optimizer ({len(live)} + {len(opt.state_dict()['state'])} entries): "
+        + ("yes" if not bad else f"NO: {bad[:5]}")
+    )
+    if not a.dir:
+        shutil.rmtree(work, ignore_errors=True)
+    if bad:
+        sys.exit(1)
 
-if __name__ == '__main__': main()
+
+if __name__ == "__main__":
+    main()

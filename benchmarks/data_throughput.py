@@ -12,91 +12,157 @@ bound) divided by the training FLOPs per token of `cipher_nb.config.flops_per_to
 byte-level FlexiTokens preset, `--bytes-per-token` (default 4.5, typical of a 32k BPE on English web text; the
 tokenizer row also measures it here, on code) for the token-level H100 preset.
 """
-import argparse, tempfile, time
+
+import argparse
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from cipher_nb.config import load_config, flops_per_token
+from cipher_nb.config import flops_per_token, load_config
 from cipher_nb.data import Packer, build_loader, stdlib_docs, train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
-H100_BF16 = 989e12   # dense bf16 FLOP/s of an H100 SXM
+H100_BF16 = 989e12  # dense bf16 FLOP/s of an H100 SXM
+
 
 def seed_loop(texts, seq_len, max_bytes, bos=257, eos=258, pad=256):
     "Seed 001's packing: list(text.encode()) per sample, a list buffer, torch.tensor per window; yields window bytes."
     while True:
         buf = []
         for text in texts:
-            buf.extend([bos] + list(text.encode('utf-8'))[:max_bytes] + [eos])
+            buf.extend([bos] + list(text.encode("utf-8"))[:max_bytes] + [eos])
             while len(buf) >= seq_len + 1:
-                chunk, buf = buf[:seq_len + 1], buf[seq_len + 1:]
+                chunk, buf = buf[: seq_len + 1], buf[seq_len + 1 :]
                 x, y = torch.tensor(chunk[:-1], dtype=torch.long), torch.tensor(chunk[1:], dtype=torch.long)
                 y[y == pad] = -100
                 yield x.numel()
 
+
 def rate(counts, seconds):
     "Bytes per second of an iterator of per-step byte counts over `seconds`."
     n, t0 = 0, time.perf_counter()
-    while (dt := time.perf_counter() - t0) < seconds: n += next(counts)
+    while (dt := time.perf_counter() - t0) < seconds:
+        n += next(counts)
     return n / dt
 
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('--seconds', type=float, default=2.0, help='measuring time per contender and round')
-    ap.add_argument('--rounds', type=int, default=3, help='rounds; each contender keeps its best')
-    ap.add_argument('--workers', type=int, default=2, help='DataLoader workers for the multi-process row (0 = skip)')
-    ap.add_argument('--tokenizer', action='store_true', help='also time the tokenizer codec (trains a BPE on the corpus first)')
-    ap.add_argument('--bytes-per-token', type=float, default=4.5, help="the H100 preset's tokenizer, bytes per token")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=2.0, help="measuring time per contender and round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; each contender keeps its best")
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers for the multi-process row (0 = skip)")
+    ap.add_argument(
+        "--tokenizer", action="store_true", help="also time the tokenizer codec (trains a BPE on the corpus first)"
+    )
+    ap.add_argument("--bytes-per-token", type=float, default=4.5, help="the H100 preset's tokenizer, bytes per token")
     a = ap.parse_args()
 
-    h100 = load_config(ROOT / 'examples/configs/h100.yaml')
-    flexi = load_config(ROOT / 'examples/configs/flexitokens-h100.yaml')
-    cfg = load_config(None, ['data.source=stdlib', 'data.heldout_frac=0.0', 'data.max_bytes=8192',
-                             f'training.seq_len={h100.training.seq_len}', f'training.batch_size={h100.training.batch_size}'])
+    h100 = load_config(ROOT / "examples/configs/h100.yaml")
+    flexi = load_config(ROOT / "examples/configs/flexitokens-h100.yaml")
+    cfg = load_config(
+        None,
+        [
+            "data.source=stdlib",
+            "data.heldout_frac=0.0",
+            "data.max_bytes=8192",
+            f"training.seq_len={h100.training.seq_len}",
+            f"training.batch_size={h100.training.batch_size}",
+        ],
+    )
     T, B = cfg.training.seq_len, cfg.training.batch_size
-    texts = [d.decode('utf-8', 'surrogateescape') for d in stdlib_docs()]
-    print(f'corpus: {len(texts)} stdlib files, {sum(map(len, stdlib_docs())) / 1e6:.1f} MB; batches {B} x {T}; '
-          f'best of {a.rounds} rounds of {a.seconds:g} s')
+    texts = [d.decode("utf-8", "surrogateescape") for d in stdlib_docs()]
+    print(
+        f"corpus: {len(texts)} stdlib files, {sum(map(len, stdlib_docs())) / 1e6:.1f} MB; batches {B} x {T}; "
+        f"best of {a.rounds} rounds of {a.seconds:g} s"
+    )
 
     contenders = []
-    def add(name, counts): next(counts); contenders.append((name, counts))   # the first step (start-up) is not timed
+
+    def add(name, counts):
+        next(counts)
+        contenders.append((name, counts))  # the first step (start-up) is not timed
+
     add("seed 001 loop (list(text.encode()))", seed_loop(texts, T, cfg.data.max_bytes))
     pk = Packer(cfg)
-    add('Packer (numpy batches)', (pk.next_batch()['input_ids'].size for _ in iter(int, 1)))
-    add('build_loader, in process (tensors + resume state)', (b['input_ids'].numel() for b in build_loader(cfg, 'train', 0, 1)))
+    add("Packer (numpy batches)", (pk.next_batch()["input_ids"].size for _ in iter(int, 1)))
+    add(
+        "build_loader, in process (tensors + resume state)",
+        (b["input_ids"].numel() for b in build_loader(cfg, "train", 0, 1)),
+    )
     if a.workers:
-        wcfg = load_config(None, [f'data.num_workers={a.workers}', 'data.heldout_frac=0.0', f'training.seq_len={T}', f'training.batch_size={B}'])
-        add(f'build_loader, {a.workers} DataLoader workers', (b['input_ids'].numel() for b in build_loader(wcfg, 'train', 0, 1)))
+        wcfg = load_config(
+            None,
+            [
+                f"data.num_workers={a.workers}",
+                "data.heldout_frac=0.0",
+                f"training.seq_len={T}",
+                f"training.batch_size={B}",
+            ],
+        )
+        add(
+            f"build_loader, {a.workers} DataLoader workers",
+            (b["input_ids"].numel() for b in build_loader(wcfg, "train", 0, 1)),
+        )
     bpt = a.bytes_per_token
     if a.tokenizer:
-        path = Path(tempfile.mkdtemp()) / 'bpe.json'
+        path = Path(tempfile.mkdtemp()) / "bpe.json"
         t0 = time.perf_counter()
         codec = train_bpe(stdlib_docs(), h100.model.vocab, path)
-        print(f'  (trained a BPE of {codec.vocab_size} ids on the corpus in {time.perf_counter() - t0:.0f} s)')
-        tcfg = load_config(None, ['data.codec=tokenizer', f'data.tokenizer={path}', 'data.heldout_frac=0.0',
-                                  f'training.seq_len={T}', f'training.batch_size={B}', f'model.vocab={h100.model.vocab}'])
+        print(f"  (trained a BPE of {codec.vocab_size} ids on the corpus in {time.perf_counter() - t0:.0f} s)")
+        tcfg = load_config(
+            None,
+            [
+                "data.codec=tokenizer",
+                f"data.tokenizer={path}",
+                "data.heldout_frac=0.0",
+                f"training.seq_len={T}",
+                f"training.batch_size={B}",
+                f"model.vocab={h100.model.vocab}",
+            ],
+        )
+
         def tok_bytes(c):
-            for b in build_loader(c, 'train', 0, 1): yield codec.count_bytes(b['input_ids'])
-        add('build_loader, tokenizer codec, in process', tok_bytes(tcfg))
+            for b in build_loader(c, "train", 0, 1):
+                yield codec.count_bytes(b["input_ids"])
+
+        add("build_loader, tokenizer codec, in process", tok_bytes(tcfg))
         if a.workers:
-            twcfg = load_config(None, [*(f'{k}={v}' for k, v in (('data.codec', 'tokenizer'), ('data.tokenizer', path))), 'data.heldout_frac=0.0',
-                                       f'data.num_workers={a.workers}', f'training.seq_len={T}', f'training.batch_size={B}', f'model.vocab={h100.model.vocab}'])
-            add(f'build_loader, tokenizer codec, {a.workers} DataLoader workers', tok_bytes(twcfg))
-        sample = b''.join(stdlib_docs()[:200])
-        print(f'  (this BPE: {len(sample) / len(codec.encode(sample)):.2f} bytes per token on stdlib code)')
+            twcfg = load_config(
+                None,
+                [
+                    *(f"{k}={v}" for k, v in (("data.codec", "tokenizer"), ("data.tokenizer", path))),
+                    "data.heldout_frac=0.0",
+                    f"data.num_workers={a.workers}",
+                    f"training.seq_len={T}",
+                    f"training.batch_size={B}",
+                    f"model.vocab={h100.model.vocab}",
+                ],
+            )
+            add(f"build_loader, tokenizer codec, {a.workers} DataLoader workers", tok_bytes(twcfg))
+        sample = b"".join(stdlib_docs()[:200])
+        print(f"  (this BPE: {len(sample) / len(codec.encode(sample)):.2f} bytes per token on stdlib code)")
     best = {name: 0.0 for name, _ in contenders}
     for r in range(a.rounds):
-        for name, counts in contenders: best[name] = max(best[name], rate(counts, a.seconds))
-        print(f'  round {r + 1}: ' + ', '.join(f'{v / 1e6:.1f}' for v in best.values()) + ' MB/s', flush=True)
+        for name, counts in contenders:
+            best[name] = max(best[name], rate(counts, a.seconds))
+        print(f"  round {r + 1}: " + ", ".join(f"{v / 1e6:.1f}" for v in best.values()) + " MB/s", flush=True)
     rows = list(best.items())
 
-    need = {'H100 preset (tokens)': H100_BF16 / flops_per_token(h100.model, h100.training.seq_len) * bpt,
-            'FlexiTokens preset (bytes)': H100_BF16 / flops_per_token(flexi.model, flexi.training.seq_len)}
-    for k, v in need.items(): print(f'{k} at 100% MFU on one H100 consumes {v / 1e6:.2f} MB/s')
+    need = {
+        "H100 preset (tokens)": H100_BF16 / flops_per_token(h100.model, h100.training.seq_len) * bpt,
+        "FlexiTokens preset (bytes)": H100_BF16 / flops_per_token(flexi.model, flexi.training.seq_len),
+    }
+    for k, v in need.items():
+        print(f"{k} at 100% MFU on one H100 consumes {v / 1e6:.2f} MB/s")
     seed = rows[0][1]
-    print(f"\n| contender | MB/s | x seed loop | x H100 preset | x FlexiTokens preset |\n|---|---:|---:|---:|---:|")
+    print("\n| contender | MB/s | x seed loop | x H100 preset | x FlexiTokens preset |\n|---|---:|---:|---:|---:|")
     for name, r in rows:
-        print(f"| {name} | {r / 1e6:.1f} | {r / seed:.1f} | {r / need['H100 preset (tokens)']:.1f} | {r / need['FlexiTokens preset (bytes)']:.1f} |")
+        print(
+            f"| {name} | {r / 1e6:.1f} | {r / seed:.1f} | {r / need['H100 preset (tokens)']:.1f} | {r / need['FlexiTokens preset (bytes)']:.1f} |"
+        )
 
-if __name__ == '__main__': main()
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,10 @@ Contenders (all with the same shared experts, and the same loss `(y * g).sum()` 
               experts that received tokens, `index_add_` of each expert's gated output
   dense       a SwiGLU of width (top_k + n_shared) * expert_d_ff: the same matmul FLOPs per token, no routing
 """
-import dataclasses, statistics, time
+
+import dataclasses
+import statistics
+import time
 
 import torch
 import torch.nn as nn
@@ -18,19 +21,23 @@ import torch.nn.functional as F
 from fastcore.script import call_parse
 
 from cipher_nb.config import ModelConfig
-from cipher_nb.moe import MoE, SwiGLU, resolve_moe_impl, MOE_IMPLS
+from cipher_nb.moe import MOE_IMPLS, MoE, SwiGLU, resolve_moe_impl
 
 # name: (batch, seq, d_model, n_routed, top_k, expert_d_ff, n_shared)
 SHAPES = {
-    'cpu': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (4, 2048, 768, 64, 6, 192, 2),
-            'tiny-cpu': (16, 256, 128, 32, 2, 128, 1),            # the default cipher-train model's MoE layers
-            'h100 preset, 128 tokens': (1, 128, 512, 32, 4, 128, 2)},   # a short batch: 16 rows per expert
-    'cuda': {'h100 preset': (4, 2048, 512, 32, 4, 128, 2), 'larger': (8, 4096, 2048, 64, 8, 512, 2)},
+    "cpu": {
+        "h100 preset": (4, 2048, 512, 32, 4, 128, 2),
+        "larger": (4, 2048, 768, 64, 6, 192, 2),
+        "tiny-cpu": (16, 256, 128, 32, 2, 128, 1),  # the default cipher-train model's MoE layers
+        "h100 preset, 128 tokens": (1, 128, 512, 32, 4, 128, 2),
+    },  # a short batch: 16 rows per expert
+    "cuda": {"h100 preset": (4, 2048, 512, 32, 4, 128, 2), "larger": (8, 4096, 2048, 64, 8, 512, 2)},
 }
 
 
 class HFStyleMoE(nn.Module):
     "Router + a ModuleList of experts, looped over the hit experts with index_add_ (the Mixtral eager pattern)."
+
     def __init__(self, d, n_routed, top_k, hidden, n_shared):
         super().__init__()
         self.top_k = top_k
@@ -45,28 +52,33 @@ class HFStyleMoE(nn.Module):
         w, sel = probs.topk(self.top_k, -1)
         w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(x)
-        mask = F.one_hot(sel, len(self.experts)).permute(2, 1, 0)          # [E, k, N]
+        mask = F.one_hot(sel, len(self.experts)).permute(2, 1, 0)  # [E, k, N]
         for e in (mask.sum((1, 2)) > 0).nonzero().flatten().tolist():
             slot, tok = torch.where(mask[e])
             out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
-        if self.shared is not None: out = out + self.shared(x)
+        if self.shared is not None:
+            out = out + self.shared(x)
         return out.view(shape)
 
 
-def copy_weights(hf:HFStyleMoE, moe:MoE):
+def copy_weights(hf: HFStyleMoE, moe: MoE):
     "Give the HF-style block the MoE's weights (to check both compute the same function)."
     with torch.no_grad():
         hf.gate.weight.copy_(moe.router.weight)
         for e, ex in enumerate(hf.experts):
-            ex.w_gate.weight.copy_(moe.experts.w_gate[e]); ex.w_up.weight.copy_(moe.experts.w_up[e])
+            ex.w_gate.weight.copy_(moe.experts.w_gate[e])
+            ex.w_up.weight.copy_(moe.experts.w_up[e])
             ex.w_down.weight.copy_(moe.experts.w_down[e])
-        if hf.shared is not None: hf.shared.load_state_dict(moe.shared.state_dict())
+        if hf.shared is not None:
+            hf.shared.load_state_dict(moe.shared.state_dict())
 
 
 def check_same_function(device, dtype):
     "The HF-style baseline and every path of ours agree on a small case (so the race is between equals)."
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=64, n_routed=8, top_k=2, expert_d_ff=32, n_shared=1, init_std=.1, router_score='softmax')   # Mixtral's
+    cfg = ModelConfig(
+        d_model=64, n_routed=8, top_k=2, expert_d_ff=32, n_shared=1, init_std=0.1, router_score="softmax"
+    )  # Mixtral's
     moe = MoE(cfg).to(device)
     hf = HFStyleMoE(64, 8, 2, 32, 1).to(device)
     copy_weights(hf, moe)
@@ -83,22 +95,25 @@ def check_same_function(device, dtype):
 def contenders(shape, device, dtype, paths, compile=False):
     "name -> (module, forward returning the tensor the loss is taken on)."
     B, T, d, E, k, h, s = shape
-    cfg = ModelConfig(d_model=d, n_routed=E, top_k=k, expert_d_ff=h, n_shared=s, router_score='softmax')   # as the HF-style block
-    auto = resolve_moe_impl('auto', device, dtype, d, h)
+    cfg = ModelConfig(
+        d_model=d, n_routed=E, top_k=k, expert_d_ff=h, n_shared=s, router_score="softmax"
+    )  # as the HF-style block
+    auto = resolve_moe_impl("auto", device, dtype, d, h)
     out = {}
-    for impl in (['auto'] + list(MOE_IMPLS) if paths else ['auto']):
+    for impl in ["auto"] + list(MOE_IMPLS) if paths else ["auto"]:
         m = MoE(dataclasses.replace(cfg, moe_impl=impl)).to(device, dtype)
-        out[f'ours[{auto}]' if impl == 'auto' else f'ours[{impl}] forced'] = (m, lambda x, m=m: _with_aux(m(x)))
+        out[f"ours[{auto}]" if impl == "auto" else f"ours[{impl}] forced"] = (m, lambda x, m=m: _with_aux(m(x)))
     hf = HFStyleMoE(d, E, k, h, s).to(device, dtype)
-    for p in hf.parameters(): nn.init.normal_(p, std=cfg.init_std)
-    out['hf-loop'] = (hf, hf)
+    for p in hf.parameters():
+        nn.init.normal_(p, std=cfg.init_std)
+    out["hf-loop"] = (hf, hf)
     dense = SwiGLU(d, (k + s) * h).to(device, dtype)
-    out['dense'] = (dense, dense)
+    out["dense"] = (dense, dense)
     if compile:
         m = MoE(cfg).to(device, dtype)
         mc = torch.compile(m)
-        out[f'ours[{auto}]+compile'] = (m, lambda x: _with_aux(mc(x)))
-        out['dense+compile'] = (dense, torch.compile(dense))
+        out[f"ours[{auto}]+compile"] = (m, lambda x: _with_aux(mc(x)))
+        out["dense+compile"] = (dense, torch.compile(dense))
     return out
 
 
@@ -107,7 +122,7 @@ def _with_aux(res):
     return y, sum(aux.values())
 
 
-def flops(shape, dense:bool) -> float:
+def flops(shape, dense: bool) -> float:
     "Matmul FLOPs of forward + backward (6 per multiply-add-weight per token); the router counts for the MoEs."
     B, T, d, E, k, h, s = shape
     per_tok = 3 * d * (k + s) * h + (0 if dense else d * E)
@@ -115,12 +130,17 @@ def flops(shape, dense:bool) -> float:
 
 
 def timeit(fn, device):
-    if device.type == 'cuda':
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); fn(); end.record(); torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
         return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter(); fn(); return time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def bench_shape(name, shape, device, dtype, paths, reps, warmup, compile=False, profile=False):
@@ -132,63 +152,79 @@ def bench_shape(name, shape, device, dtype, paths, reps, warmup, compile=False, 
 
     def step(mod, fwd):
         r = fwd(x)
-        y, extra = r if isinstance(r, tuple) else (r, 0.)
+        y, extra = r if isinstance(r, tuple) else (r, 0.0)
         ((y * g).float().sum() + extra).backward()
-        mod.zero_grad(set_to_none=True); x.grad = None
+        mod.zero_grad(set_to_none=True)
+        x.grad = None
 
     times, mem = {n: [] for n in cs}, {}
     for n, (mod, fwd) in cs.items():
-        for _ in range(warmup): step(mod, fwd)
-    for _ in range(reps):                      # round-robin, so drifting machine load hits every contender alike
+        for _ in range(warmup):
+            step(mod, fwd)
+    for _ in range(reps):  # round-robin, so drifting machine load hits every contender alike
         for n, (mod, fwd) in cs.items():
-            if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             times[n].append(timeit(lambda: step(mod, fwd), device))
-            if device.type == 'cuda': mem[n] = torch.cuda.max_memory_allocated(device) / 2**30
+            if device.type == "cuda":
+                mem[n] = torch.cuda.max_memory_allocated(device) / 2**30
     med = {n: statistics.median(t) for n, t in times.items()}
-    ours = next(n for n in cs if n.startswith('ours[') and not n.endswith('forced'))
+    ours = next(n for n in cs if n.startswith("ours[") and not n.endswith("forced"))
     B, T, d, E, k, h, s = shape
-    print(f"\n{name}: tokens {B}x{T}, d_model {d}, {E} experts top-{k}, expert_d_ff {h}, {s} shared "
-          f"({device.type}, {str(dtype).replace('torch.', '')}, median of {reps})")
-    head = f"{'contender':<22}{'ms fwd+bwd':>12}{'x ours':>9}{'TFLOP/s':>9}" + (f"{'peak GB':>9}" if mem else '')
-    print(head); print('-' * len(head))
+    print(
+        f"\n{name}: tokens {B}x{T}, d_model {d}, {E} experts top-{k}, expert_d_ff {h}, {s} shared "
+        f"({device.type}, {str(dtype).replace('torch.', '')}, median of {reps})"
+    )
+    head = f"{'contender':<22}{'ms fwd+bwd':>12}{'x ours':>9}{'TFLOP/s':>9}" + (f"{'peak GB':>9}" if mem else "")
+    print(head)
+    print("-" * len(head))
     for n, t in med.items():
         row = f"{n:<22}{t * 1e3:>12.1f}{t / med[ours]:>9.2f}{flops(shape, n == 'dense') / t / 1e12:>9.3f}"
-        print(row + (f"{mem[n]:>9.2f}" if mem else ''))
-    print(f"ours vs hf-loop: {med['hf-loop'] / med[ours]:.1f}x faster (goal >= 5x); "
-          f"ours / dense: {med[ours] / med['dense']:.2f}x (goal <= 1.5x)")
-    if profile: profile_step(lambda: step(*cs[ours]), device)
+        print(row + (f"{mem[n]:>9.2f}" if mem else ""))
+    print(
+        f"ours vs hf-loop: {med['hf-loop'] / med[ours]:.1f}x faster (goal >= 5x); "
+        f"ours / dense: {med[ours] / med['dense']:.2f}x (goal <= 1.5x)"
+    )
+    if profile:
+        profile_step(lambda: step(*cs[ours]), device)
     return med
 
 
 def profile_step(fn, device):
     "Where one forward + backward of ours spends its time: the top operators by self time on the device."
-    from torch.profiler import profile, ProfilerActivity
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
-        if device.type == 'cuda': torch.cuda.synchronize(device)
-    key = 'self_cuda_time_total' if device.type == 'cuda' else 'self_cpu_time_total'
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=40))
 
 
 @call_parse
 def main(
-    device:str='cpu',   # cpu | cuda (bf16, more repetitions, TFLOP/s and peak memory)
-    paths:bool=False,   # also time every forced dispatch path of ours (grouped, bmm, loop)
-    reps:int=0,         # timed repetitions per contender; 0 = 3 on CPU, 20 on CUDA
-    shape:str='',       # only this shape (a name in SHAPES, e.g. 'h100 preset'); empty = all of the device's
-    compile:bool=False, # also time torch.compile'd versions of ours and of the dense FFN
-    profile:bool=False, # print the top operators of one step of ours
+    device: str = "cpu",  # cpu | cuda (bf16, more repetitions, TFLOP/s and peak memory)
+    paths: bool = False,  # also time every forced dispatch path of ours (grouped, bmm, loop)
+    reps: int = 0,  # timed repetitions per contender; 0 = 3 on CPU, 20 on CUDA
+    shape: str = "",  # only this shape (a name in SHAPES, e.g. 'h100 preset'); empty = all of the device's
+    compile: bool = False,  # also time torch.compile'd versions of ours and of the dense FFN
+    profile: bool = False,  # print the top operators of one step of ours
 ):
     "Print the MoE speed table(s)."
     dev = torch.device(device)
-    if dev.type == 'cuda' and not torch.cuda.is_available(): raise SystemExit("--device cuda: torch sees no GPU")
-    dtype = torch.bfloat16 if dev.type == 'cuda' else torch.float32
-    reps = reps or (20 if dev.type == 'cuda' else 3)
-    warmup = 3 if dev.type == 'cuda' else 1
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
-          + (f", {torch.cuda.get_device_name(dev)}" if dev.type == 'cuda' else ''))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    reps = reps or (20 if dev.type == "cuda" else 3)
+    warmup = 3 if dev.type == "cuda" else 1
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
+        + (f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "")
+    )
     check_same_function(dev, dtype)
     for name, shp in SHAPES[dev.type].items():
-        if shape and name != shape: continue
+        if shape and name != shape:
+            continue
         bench_shape(name, shp, dev, dtype, paths, reps, warmup, compile, profile)

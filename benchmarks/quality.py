@@ -23,32 +23,45 @@ Held-out bits per byte come only from `cipher_nb.train.heldout_metrics` on the s
 for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps.
 Writes `--out`.md (both tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
 """
-import argparse, json, os, statistics, subprocess, sys, tempfile, time
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from itertools import islice
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ('dense', 'moe', 'moe+bp', 'recurrent')
+CONTENDERS = ("dense", "moe", "moe+bp", "recurrent")
 
 
-def contender_overrides(name:str, cfg) -> list:
+def contender_overrides(name: str, cfg) -> list:
     "The `a.b=c` overrides that turn the base config into contender `name`."
     m = cfg.model
-    if name == 'dense': return ['model.n_routed=0']
-    if name == 'moe': return []
-    if name == 'moe+bp': return ['model.boundary=true']
-    if name == 'recurrent':
-        if m.n_layers < 3: raise SystemExit(f"the recurrent contender needs model.n_layers >= 3 (got {m.n_layers})")
-        return ['model.n_prelude=1', f'model.n_core={m.n_layers - 2}', 'model.n_coda=1', 'model.n_loops=2']
+    if name == "dense":
+        return ["model.n_routed=0"]
+    if name == "moe":
+        return []
+    if name == "moe+bp":
+        return ["model.boundary=true"]
+    if name == "recurrent":
+        if m.n_layers < 3:
+            raise SystemExit(f"the recurrent contender needs model.n_layers >= 3 (got {m.n_layers})")
+        return ["model.n_prelude=1", f"model.n_core={m.n_layers - 2}", "model.n_coda=1", "model.n_loops=2"]
     raise SystemExit(f"unknown contender '{name}': choose from {', '.join(CONTENDERS)}")
 
 
-def contender_trainer(a, name:str, seed:int, steps:int, run_dir:Path):
+def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     "A trainer for contender `name` (no checkpoints, no monitor: only the curriculum callback) and its overrides."
     from cipher_nb.config import load_config
-    from cipher_nb.train import build_trainer, CurriculumCallback
-    over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f'training.seed={seed}']
-    cfg = load_config(a.config, [*over, f'training.max_steps={steps}'])
+    from cipher_nb.train import CurriculumCallback, build_trainer
+
+    over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f"training.seed={seed}"]
+    cfg = load_config(a.config, [*over, f"training.max_steps={steps}"])
     tr = build_trainer(cfg, run_dir, progress=False)
     tr.callbacks = [c for c in tr.callbacks if isinstance(c, CurriculumCallback)]
     tr.model.train()
@@ -57,24 +70,28 @@ def contender_trainer(a, name:str, seed:int, steps:int, run_dir:Path):
 
 def _step(tr):
     from cipher_nb.train import run_callbacks
-    run_callbacks(tr.callbacks, 'before_step', tr)
+
+    run_callbacks(tr.callbacks, "before_step", tr)
     tr.train_step()
 
 
-def calibrate(a, names:list) -> dict:
+def calibrate(a, names: list) -> dict:
     "Seconds per training step of each contender: median of interleaved timed rounds in this process."
     import torch
+
     torch.set_num_threads(a.threads)
-    clock = time.process_time if a.clock == 'cpu' else time.perf_counter
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     times = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
-        trs = {n: contender_trainer(a, n, 0, 10 ** 6, Path(tmp) / n)[0] for n in names}
+        trs = {n: contender_trainer(a, n, 0, 10**6, Path(tmp) / n)[0] for n in names}
         for tr in trs.values():
-            for _ in range(a.round_steps): _step(tr)      # warm-up: allocator, caches, first-call paths
+            for _ in range(a.round_steps):
+                _step(tr)  # warm-up: allocator, caches, first-call paths
         for r in range(a.rounds):
-            for n in names[r % len(names):] + names[:r % len(names)]:
+            for n in names[r % len(names) :] + names[: r % len(names)]:
                 c0 = clock()
-                for _ in range(a.round_steps): _step(trs[n])
+                for _ in range(a.round_steps):
+                    _step(trs[n])
                 times[n].append((clock() - c0) / a.round_steps)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
@@ -82,174 +99,280 @@ def calibrate(a, names:list) -> dict:
 def run_one(a) -> dict:
     "Train one contender for one seed for its `--steps`; return its numbers and curve."
     import torch
+
     torch.set_num_threads(a.threads)
     from cipher_nb.config import load_config, param_counts
-    from cipher_nb.train import heldout_metrics
-    from cipher_nb.monitor import mem_gb
     from cipher_nb.curriculum import build_loader
     from cipher_nb.data import build_codec
-    clock = time.process_time if a.clock == 'cpu' else time.perf_counter
+    from cipher_nb.monitor import mem_gb
+    from cipher_nb.train import heldout_metrics
+
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
-        tr, over = contender_trainer(a, a.one, a.seed, a.steps, Path(tmp) / 'run')
+        tr, over = contender_trainer(a, a.one, a.seed, a.steps, Path(tmp) / "run")
         base = load_config(a.config, a.overrides)
         # the held-out set of the BASE config (same data, batch and length for every contender)
-        heldout = list(islice(iter(build_loader(base, 'heldout', 0, 1)), a.eval_batches or base.training.eval_batches))
+        heldout = list(islice(iter(build_loader(base, "heldout", 0, 1)), a.eval_batches or base.training.eval_batches))
         lengths = torch.as_tensor(build_codec(tr.cfg.data).byte_lengths)
+
         def ev():
             tr.model.eval()
-            try: return heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype)['val/bpb']
-            finally: tr.model.train()
+            try:
+                return heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype)["val/bpb"]
+            finally:
+                tr.model.train()
+
         points = sorted({max(1, round(a.steps * (i + 1) / a.eval_points)) for i in range(a.eval_points)})
         used, wall0, curve = 0.0, time.perf_counter(), []
         while tr.step < a.steps:
             c0 = clock()
             _step(tr)
             used += clock() - c0
-            if tr.step in points: curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))
+            if tr.step in points:
+                curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))
         cfg = tr.cfg
         pc = param_counts(cfg.model)
-        return dict(name=a.one, seed=a.seed, clock=a.clock, threads=a.threads, budget=a.budget, cost=a.cost,
-                    seconds=a.steps * a.cost, used=used, wall=time.perf_counter() - wall0, steps=tr.step,
-                    tokens=tr.tokens, tok_per_s=tr.tokens / (a.steps * a.cost),
-                    bpb=curve[-1]['bpb'], curve=curve, params=pc['total'], active=pc['active'],
-                    peak_gb=mem_gb(tr.device), overrides=over)
+        return dict(
+            name=a.one,
+            seed=a.seed,
+            clock=a.clock,
+            threads=a.threads,
+            budget=a.budget,
+            cost=a.cost,
+            seconds=a.steps * a.cost,
+            used=used,
+            wall=time.perf_counter() - wall0,
+            steps=tr.step,
+            tokens=tr.tokens,
+            tok_per_s=tr.tokens / (a.steps * a.cost),
+            bpb=curve[-1]["bpb"],
+            curve=curve,
+            params=pc["total"],
+            active=pc["active"],
+            peak_gb=mem_gb(tr.device),
+            overrides=over,
+        )
 
 
 def _mean_sd(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def cost_table(costs:dict, budget:float, clock:str, threads:int) -> str:
+def cost_table(costs: dict, budget: float, clock: str, threads: int) -> str:
     "The calibration: each contender's step cost, its ratio to dense and the steps the budget buys it."
-    ref = costs.get('dense')
-    lines = [f"step cost ({clock} clock, {threads} torch thread(s), median of interleaved rounds in one process):", '',
-             '| contender | ms per step | vs dense | steps in the budget |', '|---|---|---|---|']
+    ref = costs.get("dense")
+    lines = [
+        f"step cost ({clock} clock, {threads} torch thread(s), median of interleaved rounds in one process):",
+        "",
+        "| contender | ms per step | vs dense | steps in the budget |",
+        "|---|---|---|---|",
+    ]
     for n, c in costs.items():
         lines.append(f"| {n} | {c * 1e3:.1f} | {f'{c / ref:.2f}x' if ref else ''} | {int(budget / c)} |")
-    return '\n'.join(lines)
+    return "\n".join(lines)
 
 
-def paired(rs:list, ref:list) -> list:
+def paired(rs: list, ref: list) -> list:
     "Per-seed differences `rs - ref` over the seeds both have (a seed gives every contender the same data order)."
-    by_seed = {r['seed']: r['bpb'] for r in ref}
-    return [r['bpb'] - by_seed[r['seed']] for r in rs if r['seed'] in by_seed]
+    by_seed = {r["seed"]: r["bpb"] for r in ref}
+    return [r["bpb"] - by_seed[r["seed"]] for r in rs if r["seed"] in by_seed]
 
 
-def table(runs:list, names:list) -> str:
+def table(runs: list, names: list) -> str:
     "The side-by-side table: mean over seeds with its spread, and the per-seed difference from dense."
-    by = {n: [r for r in runs if r['name'] == n] for n in names}
+    by = {n: [r for r in runs if r["name"] == n] for n in names}
     r0 = runs[0]
-    lines = [f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
-             f"seeds per contender: {len(by[names[0]])}",
-             '', '| contender | held-out bpb | vs dense, same seed | ahead of dense | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |',
-             '|---|---|---|---|---|---|---|---|---|---|']
+    lines = [
+        f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
+        f"seeds per contender: {len(by[names[0]])}",
+        "",
+        "| contender | held-out bpb | vs dense, same seed | ahead of dense | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for n in names:
         rs = by[n]
-        m, sd = _mean_sd([r['bpb'] for r in rs])
-        bpb = f'{m:.4f} ± {sd:.4f}' if len(rs) > 1 else f'{m:.4f}'
-        d = paired(rs, by.get('dense', [])) if n != 'dense' else []
-        vs = ahead = ''
+        m, sd = _mean_sd([r["bpb"] for r in rs])
+        bpb = f"{m:.4f} ± {sd:.4f}" if len(rs) > 1 else f"{m:.4f}"
+        d = paired(rs, by.get("dense", [])) if n != "dense" else []
+        vs = ahead = ""
         if d:
             dm, dsd = _mean_sd(d)
-            vs = f'{dm:+.4f} ± {dsd:.4f}' if len(d) > 1 else f'{dm:+.4f}'
-            ahead = f'{sum(x < 0 for x in d)}/{len(d)} seeds'
-        lines.append(f"| {n} | {bpb} | {vs} | {ahead} | {rs[0]['steps']} | {statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
-                     f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
-                     f"{statistics.mean(r['used'] for r in rs):.0f} |")
-    lines.append('')
-    lines.append('(held-out bpb: mean ± sample standard deviation over seeds; vs dense: the mean over seeds of the contender '
-                 'minus dense on the same seed, ± the standard deviation of that difference: a seed fixes the data order, '
-                 'which moves every contender alike, so this is the spread to weigh a gap against; tok/s counts bytes and '
-                 'specials per budget second; clock-s used is what training took in its own process, the cross-check of '
-                 'the step cost)')
-    return '\n'.join(lines)
+            vs = f"{dm:+.4f} ± {dsd:.4f}" if len(d) > 1 else f"{dm:+.4f}"
+            ahead = f"{sum(x < 0 for x in d)}/{len(d)} seeds"
+        lines.append(
+            f"| {n} | {bpb} | {vs} | {ahead} | {rs[0]['steps']} | {statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
+            f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
+            f"{statistics.mean(r['used'] for r in rs):.0f} |"
+        )
+    lines.append("")
+    lines.append(
+        "(held-out bpb: mean ± sample standard deviation over seeds; vs dense: the mean over seeds of the contender "
+        "minus dense on the same seed, ± the standard deviation of that difference: a seed fixes the data order, "
+        "which moves every contender alike, so this is the spread to weigh a gap against; tok/s counts bytes and "
+        "specials per budget second; clock-s used is what training took in its own process, the cross-check of "
+        "the step cost)"
+    )
+    return "\n".join(lines)
 
 
-def plot(runs:list, names:list, path:Path):
+def plot(runs: list, names: list, path: Path):
     "Held-out bpb against clock seconds, one colour per contender, one line per seed."
-    import matplotlib; matplotlib.use('Agg')
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, n in enumerate(names):
-        for j, r in enumerate(x for x in runs if x['name'] == n):
-            xs, ys = [p['seconds'] for p in r['curve']], [p['bpb'] for p in r['curve']]
-            ax.plot(xs, ys, marker='o', ms=3, color=f'C{i}', alpha=0.9 if j == 0 else 0.5, label=n if j == 0 else None)
+        for j, r in enumerate(x for x in runs if x["name"] == n):
+            xs, ys = [p["seconds"] for p in r["curve"]], [p["bpb"] for p in r["curve"]]
+            ax.plot(xs, ys, marker="o", ms=3, color=f"C{i}", alpha=0.9 if j == 0 else 0.5, label=n if j == 0 else None)
     r0 = runs[0]
-    ax.set_xlabel(f"{'CPU' if r0['clock'] == 'cpu' else 'wall-clock'} seconds: steps x measured step cost ({r0['threads']} torch thread(s))")
-    ax.set_ylabel('held-out bits per byte'); ax.grid(alpha=0.3); ax.legend()
-    ax.set_title('cipher_nb quality per compute (stdlib corpus)')
-    fig.tight_layout(); fig.savefig(path, dpi=120); plt.close(fig)
+    ax.set_xlabel(
+        f"{'CPU' if r0['clock'] == 'cpu' else 'wall-clock'} seconds: steps x measured step cost ({r0['threads']} torch thread(s))"
+    )
+    ax.set_ylabel("held-out bits per byte")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("cipher_nb quality per compute (stdlib corpus)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('overrides', nargs='*', help='section.key=value overrides applied to every contender')
-    p.add_argument('--config', default=None, help='a YAML preset (default: the config defaults = tiny-cpu)')
-    p.add_argument('--contenders', default=','.join(CONTENDERS), help='comma-separated subset of ' + ', '.join(CONTENDERS))
-    p.add_argument('--budget', type=float, default=800.0, help='clock seconds of training per run (800: about the CPU time of the default cipher-train run)')
-    p.add_argument('--clock', choices=('cpu', 'wall'), default='cpu', help='cpu: process CPU time; wall: elapsed time')
-    p.add_argument('--threads', type=int, default=1, help='torch threads (calibration and runs)')
-    p.add_argument('--rounds', type=int, default=5, help='interleaved timing rounds per contender')
-    p.add_argument('--round-steps', type=int, default=4, help='training steps per timing round')
-    p.add_argument('--calibrate-only', action='store_true', help='print the step-cost table and stop')
-    p.add_argument('--seeds', type=int, default=1, help='seeds per contender (0, 1, ...)')
-    p.add_argument('--jobs', type=int, default=1, help='training runs at once (their step counts are fixed, so sharing cores does not change the scores)')
-    p.add_argument('--eval-points', type=int, default=6, help='held-out evaluations along the steps')
-    p.add_argument('--eval-batches', type=int, default=0, help="held-out batches (the same for every contender; 0: the config's training.eval_batches)")
-    p.add_argument('--out', default=str(ROOT / 'benchmarks/results/quality'), help='output prefix (.md, .json, .png)')
-    p.add_argument('--one', default=None, help=argparse.SUPPRESS)     # internal: run one contender in this process
-    p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument('--steps', type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument('--cost', type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument('--json', default=None, help=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides applied to every contender")
+    p.add_argument("--config", default=None, help="a YAML preset (default: the config defaults = tiny-cpu)")
+    p.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help="comma-separated subset of " + ", ".join(CONTENDERS)
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=800.0,
+        help="clock seconds of training per run (800: about the CPU time of the default cipher-train run)",
+    )
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: process CPU time; wall: elapsed time")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (calibration and runs)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per contender")
+    p.add_argument("--round-steps", type=int, default=4, help="training steps per timing round")
+    p.add_argument("--calibrate-only", action="store_true", help="print the step-cost table and stop")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per contender (0, 1, ...)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="training runs at once (their step counts are fixed, so sharing cores does not change the scores)",
+    )
+    p.add_argument("--eval-points", type=int, default=6, help="held-out evaluations along the steps")
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=0,
+        help="held-out batches (the same for every contender; 0: the config's training.eval_batches)",
+    )
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/quality"), help="output prefix (.md, .json, .png)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one contender in this process
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--cost", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
         Path(a.json).write_text(json.dumps(run_one(a)))
         return
-    names = [n.strip() for n in a.contenders.split(',') if n.strip()]
+    names = [n.strip() for n in a.contenders.split(",") if n.strip()]
     for n in names:
-        if n not in CONTENDERS: sys.exit(f"unknown contender '{n}': choose from {', '.join(CONTENDERS)}")
+        if n not in CONTENDERS:
+            sys.exit(f"unknown contender '{n}': choose from {', '.join(CONTENDERS)}")
     costs = calibrate(a, names)
     ctext = cost_table(costs, a.budget, a.clock, a.threads)
-    print(ctext + '\n', flush=True)
-    if a.calibrate_only: return
+    print(ctext + "\n", flush=True)
+    if a.calibrate_only:
+        return
     from cipher_nb.config import load_config
+
     warmup = load_config(a.config, a.overrides).training.warmup_steps
     short = [n for n in names if int(a.budget / costs[n]) <= warmup]
-    if short: sys.exit(f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, not more than "
-                       f"training.warmup_steps ({warmup}): raise --budget or lower training.warmup_steps")
-    out = Path(a.out); out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix='quality-'))
-    base = [sys.executable, __file__, *a.overrides, '--budget', str(a.budget), '--clock', a.clock,
-            '--threads', str(a.threads), '--eval-points', str(a.eval_points), '--eval-batches', str(a.eval_batches)]
-    if a.config: base += ['--config', a.config]
-    env = {**os.environ, 'OMP_NUM_THREADS': str(a.threads)}
+    if short:
+        sys.exit(
+            f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, not more than "
+            f"training.warmup_steps ({warmup}): raise --budget or lower training.warmup_steps"
+        )
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="quality-"))
+    base = [
+        sys.executable,
+        __file__,
+        *a.overrides,
+        "--budget",
+        str(a.budget),
+        "--clock",
+        a.clock,
+        "--threads",
+        str(a.threads),
+        "--eval-points",
+        str(a.eval_points),
+        "--eval-batches",
+        str(a.eval_batches),
+    ]
+    if a.config:
+        base += ["--config", a.config]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     running, runs = [], []
-    def reap(block:bool):
+
+    def reap(block: bool):
         for job in list(running):
             (n, s, j, proc) = job
             if block or proc.poll() is not None:
-                if proc.wait() != 0: sys.exit(f'{n} seed {s} failed (exit {proc.returncode})')
-                r = json.loads(j.read_text()); runs.append(r); running.remove(job)
-                print(f"{n:>10} seed {s}: bpb {r['bpb']:.4f} after {r['steps']} steps "
-                      f"({r['used']:.0f} {a.clock}-s used, {r['wall']:.0f} wall-s)", flush=True)
-                if not block: return
+                if proc.wait() != 0:
+                    sys.exit(f"{n} seed {s} failed (exit {proc.returncode})")
+                r = json.loads(j.read_text())
+                runs.append(r)
+                running.remove(job)
+                print(
+                    f"{n:>10} seed {s}: bpb {r['bpb']:.4f} after {r['steps']} steps "
+                    f"({r['used']:.0f} {a.clock}-s used, {r['wall']:.0f} wall-s)",
+                    flush=True,
+                )
+                if not block:
+                    return
+
     for s in range(a.seeds):
         for n in names:
-            while len(running) >= a.jobs: reap(False); time.sleep(0.5)
-            j = tmp / f'{n}-{s}.json'
-            cmd = [*base, '--one', n, '--seed', str(s), '--steps', str(int(a.budget / costs[n])), '--cost', repr(costs[n]), '--json', str(j)]
+            while len(running) >= a.jobs:
+                reap(False)
+                time.sleep(0.5)
+            j = tmp / f"{n}-{s}.json"
+            cmd = [
+                *base,
+                "--one",
+                n,
+                "--seed",
+                str(s),
+                "--steps",
+                str(int(a.budget / costs[n])),
+                "--cost",
+                repr(costs[n]),
+                "--json",
+                str(j),
+            ]
             running.append((n, s, j, subprocess.Popen(cmd, env=env)))
-    while running: reap(True)
-    runs.sort(key=lambda r: (names.index(r['name']), r['seed']))
-    cmd = 'python benchmarks/quality.py ' + ' '.join(sys.argv[1:])
+    while running:
+        reap(True)
+    runs.sort(key=lambda r: (names.index(r["name"]), r["seed"]))
+    cmd = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
     text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names)
-    print('\n' + text)
-    out.with_suffix('.md').write_text(text + '\n')
-    out.with_suffix('.json').write_text(json.dumps(dict(command=cmd, costs=costs, runs=runs), indent=1))
-    plot(runs, names, out.with_suffix('.png'))
+    print("\n" + text)
+    out.with_suffix(".md").write_text(text + "\n")
+    out.with_suffix(".json").write_text(json.dumps(dict(command=cmd, costs=costs, runs=runs), indent=1))
+    plot(runs, names, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.md')}, {out.with_suffix('.json')}, {out.with_suffix('.png')}")
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

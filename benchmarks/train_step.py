@@ -9,9 +9,15 @@ median step time. "bare": no callbacks. "full": the curriculum, the monitor (sta
 checks), the checkpoint callback (no checkpoint falls inside the timed steps) and any optional loggers.
 Goal (issue 7): the full set costs under 3%.
 """
-import argparse, statistics, tempfile, time
+
+import argparse
+import statistics
+import tempfile
+import time
+
 from cipher_nb.config import load_config
 from cipher_nb.train import build_trainer
+
 
 def timed_steps(trainer, callbacks, n) -> float:
     "Seconds per optimizer step over `n` steps of `fit` with `callbacks`."
@@ -21,31 +27,38 @@ def timed_steps(trainer, callbacks, n) -> float:
     trainer.fit(progress=False)
     return (time.perf_counter() - t0) / n
 
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--steps', type=int, default=30); p.add_argument('--rounds', type=int, default=3)
-    p.add_argument('overrides', nargs='*')
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("overrides", nargs="*")
     a = p.parse_args()
-    cfg = load_config(None, ['training.max_steps=100000', 'training.eval_every=100000', 'training.checkpoint_every=100000', *a.overrides])
+    cfg = load_config(
+        None,
+        ["training.max_steps=100000", "training.eval_every=100000", "training.checkpoint_every=100000", *a.overrides],
+    )
     with tempfile.TemporaryDirectory() as d:
         tr = build_trainer(cfg, d)
-        tr.checkpoint_fn = tr.eval_fn = None          # checkpoints and evaluations are timed elsewhere
+        tr.checkpoint_fn = tr.eval_fn = None  # checkpoints and evaluations are timed elsewhere
         full = list(tr.callbacks)
-        timed_steps(tr, full, 5)                      # warm-up: allocator, first log row
-        times = {'bare': [], 'full': []}
+        timed_steps(tr, full, 5)  # warm-up: allocator, first log row
+        times = {"bare": [], "full": []}
         for _ in range(a.rounds):
-            times['bare'].append(timed_steps(tr, [], a.steps))
-            times['full'].append(timed_steps(tr, full, a.steps))
+            times["bare"].append(timed_steps(tr, [], a.steps))
+            times["full"].append(timed_steps(tr, full, a.steps))
     t = cfg.training
     tokens = t.batch_size * t.seq_len * t.grad_accum
-    bare = statistics.median(times['bare'])
+    bare = statistics.median(times["bare"])
     print(f"tiny-cpu step ({tokens} tokens, log every {t.log_every}), median of {a.rounds} rounds x {a.steps} steps")
     print(f"{'contender':<10}{'ms/step':>10}{'tok/s':>10}{'x bare':>9}   callbacks")
     for name, ts in times.items():
         s = statistics.median(ts)
-        names = ', '.join(type(c).__name__ for c in full) if name == 'full' else '-'
+        names = ", ".join(type(c).__name__ for c in full) if name == "full" else "-"
         print(f"{name:<10}{1000 * s:>10.1f}{tokens / s:>10.0f}{s / bare:>9.3f}   {names}")
-    over = statistics.median(times['full']) / bare - 1
+    over = statistics.median(times["full"]) / bare - 1
     print(f"overhead of the callbacks: {100 * over:+.1f}% (goal < 3%)")
 
-if __name__ == '__main__': main()
+
+if __name__ == "__main__":
+    main()

@@ -16,31 +16,35 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from fastcore.basics import patch
 
 from .config import ModelConfig
 
 # %% ../nbs/04_boundary.ipynb #4fde020f
-BP_MODES = ('causal_fixed', 'adaptive', 'topk')
-CAUSAL_BP_MODES = ('causal_fixed', 'adaptive')
+BP_MODES = ("causal_fixed", "adaptive", "topk")
+CAUSAL_BP_MODES = ("causal_fixed", "adaptive")
 
-def check_bp_mode(mode:str, generating:bool=False) -> str:
+
+def check_bp_mode(mode: str, generating: bool = False) -> str:
     "Return `mode` if it is a known boundary mode (and causal when generating), else raise a clear `ValueError`."
-    if mode not in BP_MODES: raise ValueError(f"bp_mode {mode!r} is unknown: choose one of {', '.join(map(repr, BP_MODES))}")
+    if mode not in BP_MODES:
+        raise ValueError(f"bp_mode {mode!r} is unknown: choose one of {', '.join(map(repr, BP_MODES))}")
     if generating and mode not in CAUSAL_BP_MODES:
-        raise ValueError(f"bp_mode {mode!r} picks boundaries from the whole sequence (it reads bytes not yet generated) "
-                         f"and cannot generate: use {' or '.join(map(repr, CAUSAL_BP_MODES))}")
+        raise ValueError(
+            f"bp_mode {mode!r} picks boundaries from the whole sequence (it reads bytes not yet generated) "
+            f"and cannot generate: use {' or '.join(map(repr, CAUSAL_BP_MODES))}"
+        )
     return mode
 
 # %% ../nbs/04_boundary.ipynb #f6f5909e
-def logistic_noise(like:torch.Tensor) -> torch.Tensor:
+def logistic_noise(like: torch.Tensor) -> torch.Tensor:
     "Noise with the logistic distribution (Gumbel-sigmoid's), shaped like `like`."
     eps = torch.finfo(like.dtype).eps
     u = torch.rand_like(like).clamp(eps, 1 - eps)
     return torch.log(u) - torch.log1p(-u)
 
-def straight_through(hard:torch.Tensor, soft:torch.Tensor) -> torch.Tensor:
+
+def straight_through(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
     "The value of `hard` with the gradient of `soft` (exact: the added bracket is zero)."
     return hard + (soft - soft.detach())
 
@@ -48,124 +52,160 @@ def straight_through(hard:torch.Tensor, soft:torch.Tensor) -> torch.Tensor:
 @dataclass
 class Segments:
     "A batch's boundaries and segment bookkeeping, as returned by `BoundaryPredictor`."
-    logits: torch.Tensor    # [B, T] boundary logits before noise (float32)
-    probs: torch.Tensor     # [B, T] sigmoid(logits)
-    hard: torch.Tensor      # [B, T] 1 = a segment ends at this byte (straight-through)
-    seg_ids: torch.Tensor   # [B, T] long: the segment of each byte (boundaries strictly before it)
-    before: torch.Tensor    # [B, T] float: seg_ids as a count of `hard`, carrying its gradient
-    n_seg: torch.Tensor     # [B] long: segments per sequence (the last may be unfinished)
-    seg_doc: torch.Tensor   # [B, S] long: the document of each segment, -1 for padding
-    doc_ids: torch.Tensor   # [B, T] long
-    n_segments: int         # S = max segments in the batch
+
+    logits: torch.Tensor  # [B, T] boundary logits before noise (float32)
+    probs: torch.Tensor  # [B, T] sigmoid(logits)
+    hard: torch.Tensor  # [B, T] 1 = a segment ends at this byte (straight-through)
+    seg_ids: torch.Tensor  # [B, T] long: the segment of each byte (boundaries strictly before it)
+    before: torch.Tensor  # [B, T] float: seg_ids as a count of `hard`, carrying its gradient
+    n_seg: torch.Tensor  # [B] long: segments per sequence (the last may be unfinished)
+    seg_doc: torch.Tensor  # [B, S] long: the document of each segment, -1 for padding
+    doc_ids: torch.Tensor  # [B, T] long
+    n_segments: int  # S = max segments in the batch
     mode: str
 
     @property
-    def seg_valid(self) -> torch.Tensor: return torch.arange(self.n_segments, device=self.n_seg.device) < self.n_seg[:, None]
+    def seg_valid(self) -> torch.Tensor:
+        return torch.arange(self.n_segments, device=self.n_seg.device) < self.n_seg[:, None]
+
     @property
-    def weight(self) -> torch.Tensor: return 1 + self.seg_ids - self.before   # [B, T], value 1, gradient -d(before)
+    def weight(self) -> torch.Tensor:
+        return 1 + self.seg_ids - self.before  # [B, T], value 1, gradient -d(before)
+
     @property
-    def causal(self) -> bool: return self.mode in CAUSAL_BP_MODES
+    def causal(self) -> bool:
+        return self.mode in CAUSAL_BP_MODES
 
 # %% ../nbs/04_boundary.ipynb #5743b673
-def segments_from_hard(hard:torch.Tensor, logits:torch.Tensor, doc_ids:torch.Tensor|None=None, mode:str='adaptive') -> Segments:
+def segments_from_hard(
+    hard: torch.Tensor, logits: torch.Tensor, doc_ids: torch.Tensor | None = None, mode: str = "adaptive"
+) -> Segments:
     "Segment bookkeeping from boundary decisions `hard` [B, T] (float, possibly straight-through)."
     B, T = hard.shape
-    if doc_ids is None: doc_ids = torch.zeros(B, T, dtype=torch.long, device=hard.device)
-    if doc_ids.shape != hard.shape: raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}, expected {(B, T)} like the bytes")
+    if doc_ids is None:
+        doc_ids = torch.zeros(B, T, dtype=torch.long, device=hard.device)
+    if doc_ids.shape != hard.shape:
+        raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}, expected {(B, T)} like the bytes")
     doc_end = torch.zeros_like(doc_ids, dtype=torch.bool)
     doc_end[:, :-1] = doc_ids[:, 1:] != doc_ids[:, :-1]
     hard = torch.where(doc_end, torch.ones_like(hard), hard)
-    before = hard.cumsum(1) - hard                              # exact integers in value
+    before = hard.cumsum(1) - hard  # exact integers in value
     seg_ids = before.detach().round().long()
     n_seg = seg_ids[:, -1] + 1
-    S = int(n_seg.max())                                        # one host sync per forward
+    S = int(n_seg.max())  # one host sync per forward
     seg_doc = doc_ids.new_full((B, S), -1).scatter_(1, seg_ids, doc_ids)
-    return Segments(logits=logits, probs=torch.sigmoid(logits), hard=hard, seg_ids=seg_ids, before=before,
-                    n_seg=n_seg, seg_doc=seg_doc, doc_ids=doc_ids, n_segments=S, mode=mode)
+    return Segments(
+        logits=logits,
+        probs=torch.sigmoid(logits),
+        hard=hard,
+        seg_ids=seg_ids,
+        before=before,
+        n_seg=n_seg,
+        seg_doc=seg_doc,
+        doc_ids=doc_ids,
+        n_segments=S,
+        mode=mode,
+    )
 
 # %% ../nbs/04_boundary.ipynb #1a27f4d9
 class BoundaryPredictor(nn.Module):
     "Scores each byte, turns scores into segment ends (causal_fixed | adaptive | topk), holds the null segment."
-    def __init__(self, cfg:ModelConfig):
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.d_model
         self.cfg, self.mode = cfg, check_bp_mode(cfg.bp_mode)
         self.mlp = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
         self.null = nn.Parameter(torch.zeros(d))
         for lin in (self.mlp[0], self.mlp[2]):
-            nn.init.normal_(lin.weight, std=cfg.init_std); nn.init.zeros_(lin.bias)
-        self.register_buffer('ema', torch.zeros(2))             # quantile EMA: [noisy training scores, clean scores]
-        self.register_buffer('n_updates', torch.zeros((), dtype=torch.long))
+            nn.init.normal_(lin.weight, std=cfg.init_std)
+            nn.init.zeros_(lin.bias)
+        self.register_buffer("ema", torch.zeros(2))  # quantile EMA: [noisy training scores, clean scores]
+        self.register_buffer("n_updates", torch.zeros((), dtype=torch.long))
 
-    def set_mode(self, mode:str):
+    def set_mode(self, mode: str):
         "Switch the boundary mode (the curriculum moves causal_fixed -> adaptive)."
         self.mode = check_bp_mode(mode)
 
-    def extra_repr(self) -> str: return f"mode={self.mode!r}, rate={self.cfg.bp_rate:.4f}"
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, rate={self.cfg.bp_rate:.4f}"
 
 # %% ../nbs/04_boundary.ipynb #150633e6
-def _init_threshold(cfg:ModelConfig, training:bool) -> float:
+def _init_threshold(cfg: ModelConfig, training: bool) -> float:
     # with logistic noise P(z + noise > thr) = sigmoid(z - thr): for z ~ 0 this is bp_rate at thr = logit(1 - bp_rate)
     return math.log((1 - cfg.bp_rate) / cfg.bp_rate) if training else 0.0
 
+
 @torch.no_grad()
-def score_quantile(z:torch.Tensor, rate:float) -> torch.Tensor:
+def score_quantile(z: torch.Tensor, rate: float) -> torch.Tensor:
     "The value that a fraction `rate` of the entries of `z` exceed."
     z = z.detach().float().flatten()
     k = max(1, z.numel() - round(rate * z.numel()))
     return z.kthvalue(k).values
 
+
 @patch
-def threshold(self:BoundaryPredictor, training:bool) -> torch.Tensor:
+def threshold(self: BoundaryPredictor, training: bool) -> torch.Tensor:
     "The causal_fixed threshold from past batches only (0-d tensor)."
     m, i = self.cfg.bp_threshold_momentum, 0 if training else 1
     debiased = self.ema[i] / (1 - m ** self.n_updates.float()).clamp_min(1e-12)
     return torch.where(self.n_updates > 0, debiased, torch.full_like(debiased, _init_threshold(self.cfg, training)))
 
+
 @patch
 @torch.no_grad()
-def track_quantile(self:BoundaryPredictor, noisy:torch.Tensor, clean:torch.Tensor):
+def track_quantile(self: BoundaryPredictor, noisy: torch.Tensor, clean: torch.Tensor):
     "Fold this batch's score quantiles into the EMAs (they serve the next batch)."
     q = torch.stack([score_quantile(noisy, self.cfg.bp_rate), score_quantile(clean, self.cfg.bp_rate)])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(q); q /= torch.distributed.get_world_size()
+        torch.distributed.all_reduce(q)
+        q /= torch.distributed.get_world_size()
     m = self.cfg.bp_threshold_momentum
     self.ema.mul_(m).add_((1 - m) * q)
     self.n_updates += 1
 
 # %% ../nbs/04_boundary.ipynb #2c789aeb
 @patch
-def forward(self:BoundaryPredictor, h:torch.Tensor, doc_ids:torch.Tensor|None=None, mode:str|None=None,
-            generating:bool=False) -> Segments:
+def forward(
+    self: BoundaryPredictor,
+    h: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    mode: str | None = None,
+    generating: bool = False,
+) -> Segments:
     "Boundaries for byte hidden states `h` [B, T, D]; a change of `doc_ids` always ends a segment."
     mode = check_bp_mode(mode or self.mode, generating)
-    logits = self.mlp(h).squeeze(-1).float()                    # [B, T]
+    logits = self.mlp(h).squeeze(-1).float()  # [B, T]
     z = logits + logistic_noise(logits) if self.training else logits
-    if mode == 'adaptive': thr = torch.zeros((), device=z.device)
-    elif mode == 'causal_fixed': thr = self.threshold(self.training)
-    else:   # topk: the k-th largest score of each sequence, which depends on every byte of it
+    if mode == "adaptive":
+        thr = torch.zeros((), device=z.device)
+    elif mode == "causal_fixed":
+        thr = self.threshold(self.training)
+    else:  # topk: the k-th largest score of each sequence, which depends on every byte of it
         k = max(1, int(z.shape[1] * self.cfg.bp_rate))
-        thr = z.detach().topk(k, dim=1).values[:, -1:]          # [B, 1]
-    hard = (z >= thr) if mode == 'topk' else (z > thr)
+        thr = z.detach().topk(k, dim=1).values[:, -1:]  # [B, 1]
+    hard = (z >= thr) if mode == "topk" else (z > thr)
     soft = torch.sigmoid((z - thr) / self.cfg.bp_temperature)
-    if self.training: self.track_quantile(z, logits)   # in every mode, so causal_fixed is ready whenever it is asked for
+    if self.training:
+        self.track_quantile(z, logits)  # in every mode, so causal_fixed is ready whenever it is asked for
     return segments_from_hard(straight_through(hard.float(), soft), logits, doc_ids, mode)
 
 # %% ../nbs/04_boundary.ipynb #569fedb5
-def downsample(h:torch.Tensor, seg:Segments) -> tuple:
+def downsample(h: torch.Tensor, seg: Segments) -> tuple:
     "Mean-pool bytes `h` [B, T, D] into segments: (seg_h [B, S, D], seg_doc [B, S] long, seg_valid [B, S] bool)."
     B, T, D = h.shape
-    if seg.seg_ids.shape != (B, T): raise ValueError(f"h is {tuple(h.shape)} but the segments were built for {tuple(seg.seg_ids.shape)} bytes")
+    if seg.seg_ids.shape != (B, T):
+        raise ValueError(f"h is {tuple(h.shape)} but the segments were built for {tuple(seg.seg_ids.shape)} bytes")
     S = seg.n_segments
-    w = seg.weight.to(h.dtype)                                              # [B, T]
+    w = seg.weight.to(h.dtype)  # [B, T]
     flat = (seg.seg_ids + S * torch.arange(B, device=h.device)[:, None]).flatten()
     sums = h.new_zeros(B * S, D).index_add_(0, flat, (w[..., None] * h).reshape(B * T, D))
     count = h.new_zeros(B * S).index_add_(0, flat, w.flatten())
-    count = torch.where(count > 0, count, torch.ones_like(count))           # padding segments: 0 / 1
+    count = torch.where(count > 0, count, torch.ones_like(count))  # padding segments: 0 / 1
     return (sums / count[:, None]).view(B, S, D), seg.seg_doc, seg.seg_valid
 
 # %% ../nbs/04_boundary.ipynb #eb400ca8
-def segment_mask(seg_doc:torch.Tensor, seg_valid:torch.Tensor) -> torch.Tensor:
+def segment_mask(seg_doc: torch.Tensor, seg_valid: torch.Tensor) -> torch.Tensor:
     "Boolean attention mask [B, S, S] over segments: causal, same document, valid keys (plus the diagonal)."
     S = seg_doc.shape[1]
     causal = torch.ones(S, S, dtype=torch.bool, device=seg_doc.device).tril()
@@ -174,50 +214,58 @@ def segment_mask(seg_doc:torch.Tensor, seg_valid:torch.Tensor) -> torch.Tensor:
     return (causal & same & seg_valid[:, None, :]) | eye
 
 # %% ../nbs/04_boundary.ipynb #62be1e24
-def upsample(seg_out:torch.Tensor, seg:Segments, null:torch.Tensor) -> torch.Tensor:
+def upsample(seg_out: torch.Tensor, seg: Segments, null: torch.Tensor) -> torch.Tensor:
     "Spread segment outputs [B, S, D] back over bytes [B, T, D]: byte t reads the last segment ended before t, else `null`."
     B, S, D = seg_out.shape
     if S != seg.n_segments or B != seg.seg_ids.shape[0]:
-        raise ValueError(f"seg_out is {tuple(seg_out.shape)} but the segments hold {seg.seg_ids.shape[0]} sequences of {seg.n_segments} segments")
+        raise ValueError(
+            f"seg_out is {tuple(seg_out.shape)} but the segments hold {seg.seg_ids.shape[0]} sequences of {seg.n_segments} segments"
+        )
     T = seg.seg_ids.shape[1]
-    prev = (seg.seg_ids - 1).clamp_min(0)                                   # [B, T]
+    prev = (seg.seg_ids - 1).clamp_min(0)  # [B, T]
     got = seg_out.gather(1, prev[..., None].expand(B, T, D))
     same_doc = (seg.seg_ids > 0) & (seg.seg_doc.gather(1, prev) == seg.doc_ids)
     return torch.where(same_doc[..., None], got, null.to(seg_out.dtype).expand(B, T, D))
 
 # %% ../nbs/04_boundary.ipynb #d411a6e4
-def binomial_nll(k:torch.Tensor, n:int, p:float) -> torch.Tensor:
+def binomial_nll(k: torch.Tensor, n: int, p: float) -> torch.Tensor:
     "-log Binomial(n, p).pmf(k), elementwise and differentiable in `k`."
     log_choose = math.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
     return -(log_choose + k * math.log(p) + (n - k) * math.log1p(-p))
 
 # %% ../nbs/04_boundary.ipynb #3dc7bcb2
-def bp_loss(seg:Segments, cfg:ModelConfig) -> torch.Tensor:
+def bp_loss(seg: Segments, cfg: ModelConfig) -> torch.Tensor:
     "The boundary predictor's auxiliary loss, already weighted (`bce_binomial` or FlexiTokens' `hinge`)."
     B, T = seg.hard.shape
     p = cfg.bp_rate
-    if cfg.bp_loss == 'hinge':
+    if cfg.bp_loss == "hinge":
         bound = p + cfg.bp_hinge_sigmas * math.sqrt(p * (1 - p) / T)
         return cfg.bp_loss_weight * F.relu(seg.hard.mean(1) - bound).mean()
-    if cfg.bp_loss != 'bce_binomial': raise ValueError(f"model.bp_loss {cfg.bp_loss!r} is unknown: use 'bce_binomial' or 'hinge'")
+    if cfg.bp_loss != "bce_binomial":
+        raise ValueError(f"model.bp_loss {cfg.bp_loss!r} is unknown: use 'bce_binomial' or 'hinge'")
     bce = F.binary_cross_entropy_with_logits(seg.logits, torch.full_like(seg.logits, p))
     prior = (binomial_nll(seg.hard.sum(1), T, p) / T).mean()
     return cfg.bp_loss_weight * (bce + cfg.bp_binomial_weight * prior)
 
 # %% ../nbs/04_boundary.ipynb #26ce9498
 @torch.no_grad()
-def boundary_stats(seg:Segments) -> dict:
+def boundary_stats(seg: Segments) -> dict:
     "Detached monitoring scalars: `bp/rate`, `bp/rate_std`, `bp/seg_len`, `bp/compression`."
     hard = seg.hard.detach().float()
     per_seq = hard.mean(1)
-    return {'bp/rate': per_seq.mean(), 'bp/rate_std': per_seq.std(correction=0),
-            'bp/seg_len': hard.new_tensor(hard.numel()) / seg.n_seg.sum(),
-            'bp/compression': hard.new_tensor(hard.shape[1] / seg.n_segments)}
+    return {
+        "bp/rate": per_seq.mean(),
+        "bp/rate_std": per_seq.std(correction=0),
+        "bp/seg_len": hard.new_tensor(hard.numel()) / seg.n_seg.sum(),
+        "bp/compression": hard.new_tensor(hard.shape[1] / seg.n_segments),
+    }
 
 # %% ../nbs/04_boundary.ipynb #999020e4
-def set_bp_trainable(model:nn.Module, trainable:bool, key:str='boundary') -> int:
+def set_bp_trainable(model: nn.Module, trainable: bool, key: str = "boundary") -> int:
     "Set `requires_grad` of every parameter whose name contains `key`; return how many tensors that touched."
     n = 0
     for name, p in model.named_parameters():
-        if key in name: p.requires_grad_(trainable); n += 1
+        if key in name:
+            p.requires_grad_(trainable)
+            n += 1
     return n

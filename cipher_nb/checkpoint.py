@@ -17,8 +17,22 @@ __all__ = ['MARKER', 'META', 'STATE', 'SHARDED', 'EXPORT_WEIGHTS', 'EXPORT_CONFI
            'checkpoint_hash', 'RunRecord', 'source_info', 'run_record']
 
 # %% ../nbs/09_checkpoint.ipynb #290b3a8b
-import hashlib, io, json, os, pickle, platform, re, shutil, signal, subprocess, sys, threading, time, warnings, zipfile
-from dataclasses import dataclass, field, asdict, fields
+import hashlib
+import io
+import json
+import os
+import pickle
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import zipfile
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,46 +40,55 @@ import torch
 from torch import nn
 
 import cipher_nb
-from .core import rng_state, set_rng_state
 from .config import Config, ConfigError, config_from_dict, config_hash, critical_dict, critical_diff
+from .core import rng_state, set_rng_state
 
 # %% ../nbs/09_checkpoint.ipynb #7855b965
 class CheckpointError(RuntimeError):
     "A checkpoint that cannot be used; the message names the file and what to do."
 
+
 class UnsafeCheckpointError(CheckpointError):
     "A file that needs arbitrary pickled objects to load: refused, because unpickling them can run code."
 
+
 class ResumeError(CheckpointError):
     "An exact resume whose training-critical config or world size differ from the checkpoint's."
+
 
 class StageError(CheckpointError):
     "A start that breaks the stage contract pretrain -> refinement -> sft."
 
 # %% ../nbs/09_checkpoint.ipynb #677e7045
-MARKER, META, STATE, SHARDED = 'COMPLETE', 'meta.json', 'state.pt', 'sharded'
-EXPORT_WEIGHTS, EXPORT_CONFIG = 'model.safetensors', 'config.json'   # an export (final/)
-FORMAT = 1   # bump when the layout of a checkpoint directory changes
-_STEP_RE = re.compile(r'^step_(\d+)$')
+MARKER, META, STATE, SHARDED = "COMPLETE", "meta.json", "state.pt", "sharded"
+EXPORT_WEIGHTS, EXPORT_CONFIG = "model.safetensors", "config.json"  # an export (final/)
+FORMAT = 1  # bump when the layout of a checkpoint directory changes
+_STEP_RE = re.compile(r"^step_(\d+)$")
 
-def checkpoint_name(step:int) -> str:
+
+def checkpoint_name(step: int) -> str:
     "The directory name of the checkpoint taken after `step` optimizer steps."
-    if step < 0: raise ValueError(f"step must be >= 0, got {step}")
-    return f'step_{step:07d}'
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:07d}"
 
-def checkpoint_step(path) -> int|None:
+
+def checkpoint_step(path) -> int | None:
     "The step number of a `step_NNNNNNN` directory, else None."
     m = _STEP_RE.match(Path(path).name)
     return int(m[1]) if m else None
+
 
 def is_complete(path) -> bool:
     "Whether the checkpoint directory has its completeness marker."
     return (Path(path) / MARKER).is_file()
 
+
 def list_checkpoints(root) -> list:
     "The complete step checkpoints under `root` as `(step, path)`, oldest first by step number."
     root = Path(root)
-    if not root.is_dir(): return []
+    if not root.is_dir():
+        return []
     found = [(checkpoint_step(p), p) for p in root.iterdir() if p.is_dir()]
     return sorted((s, p) for s, p in found if s is not None and is_complete(p))
 
@@ -73,270 +96,384 @@ def list_checkpoints(root) -> list:
 def fsync_dir(path):
     "Flush a directory's entries (a rename or a new file in it) to disk."
     fd = os.open(path, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-def write_durable(path, data:bytes):
+
+def write_durable(path, data: bytes):
     "Write `data` to `path` and flush it to disk."
-    with open(path, 'wb') as f:
-        f.write(data); f.flush(); os.fsync(f.fileno())
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
 
 def write_json_atomic(path, obj):
     "Replace `path` by `obj` as JSON so a reader sees the old file or the new one, never half of one."
     path = Path(path)
-    tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')
-    write_durable(tmp, (json.dumps(obj, indent=1, default=str) + '\n').encode())
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_durable(tmp, (json.dumps(obj, indent=1, default=str) + "\n").encode())
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
 # %% ../nbs/09_checkpoint.ipynb #61f72591
-FAULT_ENV = 'CIPHER_CKPT_FAULT'
-FAULT_POINTS = ('write', 'rename', 'marker')
+FAULT_ENV = "CIPHER_CKPT_FAULT"
+FAULT_POINTS = ("write", "rename", "marker")
 
-def fault_point(name:str):
+
+def fault_point(name: str):
     "Pause or die here when `CIPHER_CKPT_FAULT` names this point (a test hook; a no-op otherwise)."
-    spec = os.environ.get(FAULT_ENV, '')
-    if not spec: return
-    point, _, action = spec.partition(':')
-    if point not in FAULT_POINTS or action not in ('', 'pause', 'die'):
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    point, _, action = spec.partition(":")
+    if point not in FAULT_POINTS or action not in ("", "pause", "die"):
         raise ValueError(f"{FAULT_ENV}={spec!r}: use POINT[:pause|die] with POINT one of {', '.join(FAULT_POINTS)}")
-    if point != name: return
-    if action == 'die': os.kill(os.getpid(), signal.SIGKILL)
+    if point != name:
+        return
+    if action == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
     print(f"cipher_nb fault injection: save paused at {name!r} (pid {os.getpid()})", flush=True)
-    while True: time.sleep(1)
+    while True:
+        time.sleep(1)
+
 
 class _FaultTap:
     "A file wrapper that reaches the `write` fault point once the first part of the file is written."
-    def __init__(self, f): self.f, self.n = f, 0
+
+    def __init__(self, f):
+        self.f, self.n = f, 0
+
     def write(self, b):
-        if self.n: fault_point('write')
+        if self.n:
+            fault_point("write")
         self.n += len(b)
         return self.f.write(b)
-    def flush(self): self.f.flush()
+
+    def flush(self):
+        self.f.flush()
 
 # %% ../nbs/09_checkpoint.ipynb #a630a65f
-def _first_line(e) -> str: return re.split(r'\n|\. ', str(e).strip())[0][:300]   # the first sentence of a long library message
+def _first_line(e) -> str:
+    return re.split(r"\n|\. ", str(e).strip())[0][:300]  # the first sentence of a long library message
 
-def safe_load(file, mmap:bool=False):
+
+def safe_load(file, mmap: bool = False):
     "`torch.load(file, weights_only=True)` with errors that name the file and the way out."
     file = Path(file)
-    if not file.is_file(): raise CheckpointError(f"{file}: missing")
-    try: return torch.load(file, map_location='cpu', weights_only=True, mmap=mmap)
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        if 'Weights only load failed' not in str(e):
-            raise CheckpointError(f"{file}: damaged ({file.stat().st_size} bytes): {_first_line(e)}; use an earlier checkpoint") from None
-        g = re.search(r'GLOBAL ([\w.]+)', str(e))
+        if "Weights only load failed" not in str(e):
+            raise CheckpointError(
+                f"{file}: damaged ({file.stat().st_size} bytes): {_first_line(e)}; use an earlier checkpoint"
+            ) from None
+        g = re.search(r"GLOBAL ([\w.]+)", str(e))
         wanted = f"the Python object {g[1]}" if g else "a Python object that is not a tensor or plain value"
         raise UnsafeCheckpointError(
             f"{file}: refused: loading it needs {wanted}, and unpickling arbitrary objects can run code "
             "(cipher_nb only loads with torch.load(weights_only=True)). If you made this file yourself, load it once "
             "in a trusted session and save plain tensors and dicts instead (e.g. model.state_dict()); if the object "
-            "is harmless, allow it with torch.serialization.add_safe_globals([...]).") from None
+            "is harmless, allow it with torch.serialization.add_safe_globals([...])."
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{file}: damaged or truncated ({file.stat().st_size} bytes): {_first_line(e)}; "
-                              "use an earlier checkpoint (latest_checkpoint skips damaged ones)") from None
+        raise CheckpointError(
+            f"{file}: damaged or truncated ({file.stat().st_size} bytes): {_first_line(e)}; "
+            "use an earlier checkpoint (latest_checkpoint skips damaged ones)"
+        ) from None
 
 # %% ../nbs/09_checkpoint.ipynb #50c6b1d5
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
-def check_plain(tree, path:str='state'):
+
+def check_plain(tree, path: str = "state"):
     "Raise a `CheckpointError` naming the first value in `tree` that `torch.load(weights_only=True)` cannot rebuild."
-    if isinstance(tree, (torch.Tensor,) + _PLAIN): return
+    if isinstance(tree, (torch.Tensor,) + _PLAIN):
+        return
     if isinstance(tree, dict):
         for k, v in tree.items():
-            if not isinstance(k, (str, int)): raise CheckpointError(f"{path}: key {k!r} is a {type(k).__name__}; use str or int keys")
-            check_plain(v, f'{path}[{k!r}]')
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(f"{path}: key {k!r} is a {type(k).__name__}; use str or int keys")
+            check_plain(v, f"{path}[{k!r}]")
     elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree): check_plain(v, f'{path}[{i}]')
+        for i, v in enumerate(tree):
+            check_plain(v, f"{path}[{i}]")
     else:
-        raise CheckpointError(f"{path} is a {type(tree).__module__}.{type(tree).__name__}: a checkpoint holds only tensors and "
-                              "plain values (it is loaded with weights_only=True); store it as a dict, list or tensor")
+        raise CheckpointError(
+            f"{path} is a {type(tree).__module__}.{type(tree).__name__}: a checkpoint holds only tensors and "
+            "plain values (it is loaded with weights_only=True); store it as a dict, list or tensor"
+        )
 
 # %% ../nbs/09_checkpoint.ipynb #7b09bbf2
 def _files(path) -> dict:
     path = Path(path)
-    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob('*'))
-            if f.is_file() and f.name != MARKER and not f.name.startswith('.' + MARKER)}
+    return {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != MARKER and not f.name.startswith("." + MARKER)
+    }
+
 
 def write_marker(path, **info):
     "Mark the checkpoint directory `path` complete, recording the size of each of its files (and `info`)."
     path = Path(path)
-    tmp = path / f'.{MARKER}.tmp'
+    tmp = path / f".{MARKER}.tmp"
     write_durable(tmp, json.dumps(dict(files=_files(path), time=_now(), **info), indent=1).encode())
-    os.replace(tmp, path / MARKER)   # the marker itself appears whole or not at all
+    os.replace(tmp, path / MARKER)  # the marker itself appears whole or not at all
     fsync_dir(path)
 
-def _now() -> str: return datetime.now(timezone.utc).isoformat(timespec='seconds')
 
-def verify_checkpoint(path, deep:bool=False) -> dict:
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def verify_checkpoint(path, deep: bool = False) -> dict:
     "Check a checkpoint against its marker (files present, sizes equal; `deep`: zip CRCs too); return the marker."
     path = Path(path)
     if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete checkpoint (no {MARKER} marker): its save never finished; use an earlier one")
-    try: marker = json.loads((path / MARKER).read_text())
-    except ValueError as e: raise CheckpointError(f"{path / MARKER}: unreadable marker ({e}); use an earlier checkpoint") from None
-    for rel, size in marker['files'].items():
+        raise CheckpointError(
+            f"{path}: not a complete checkpoint (no {MARKER} marker): its save never finished; use an earlier one"
+        )
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path / MARKER}: unreadable marker ({e}); use an earlier checkpoint") from None
+    for rel, size in marker["files"].items():
         f = path / rel
-        if not f.is_file(): raise CheckpointError(f"{f}: missing (the checkpoint's marker lists it): use an earlier checkpoint")
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (the checkpoint's marker lists it): use an earlier checkpoint")
         if f.stat().st_size != size:
-            raise CheckpointError(f"{f}: {f.stat().st_size} bytes where the marker recorded {size}: truncated or damaged; use an earlier checkpoint")
-        if deep and f.suffix == '.pt':
-            try: bad = zipfile.ZipFile(f).testzip()
-            except (zipfile.BadZipFile, OSError) as e: bad = str(e)
-            if bad: raise CheckpointError(f"{f}: record {bad} fails its CRC check: damaged; use an earlier checkpoint")
+            raise CheckpointError(
+                f"{f}: {f.stat().st_size} bytes where the marker recorded {size}: truncated or damaged; use an earlier checkpoint"
+            )
+        if deep and f.suffix == ".pt":
+            try:
+                bad = zipfile.ZipFile(f).testzip()
+            except (zipfile.BadZipFile, OSError) as e:
+                bad = str(e)
+            if bad:
+                raise CheckpointError(f"{f}: record {bad} fails its CRC check: damaged; use an earlier checkpoint")
     return marker
 
 # %% ../nbs/09_checkpoint.ipynb #aa0cce42
-_SLOT = '__dcp_tensor__'
+_SLOT = "__dcp_tensor__"
 
-def split_tensors(tree, key:str=''):
+
+def split_tensors(tree, key: str = ""):
     "Replace each tensor in a nested dict/list by a placeholder; return `(skeleton, {flat key: tensor})`."
     flat = {}
+
     def walk(x, k):
-        if isinstance(x, torch.Tensor): flat[k] = x; return {_SLOT: k}
-        if isinstance(x, dict): return {n: walk(v, f'{k}/{n}') for n, v in x.items()}
-        if isinstance(x, (list, tuple)): return type(x)(walk(v, f'{k}/{i}') for i, v in enumerate(x))
+        if isinstance(x, torch.Tensor):
+            flat[k] = x
+            return {_SLOT: k}
+        if isinstance(x, dict):
+            return {n: walk(v, f"{k}/{n}") for n, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v, f"{k}/{i}") for i, v in enumerate(x))
         return x
+
     return walk(tree, key), flat
 
-def merge_tensors(skeleton, flat:dict):
+
+def merge_tensors(skeleton, flat: dict):
     "Put the tensors of `flat` back into the placeholders of `skeleton`."
     if isinstance(skeleton, dict):
         if set(skeleton) == {_SLOT}:
-            if skeleton[_SLOT] not in flat: raise CheckpointError(f"tensor '{skeleton[_SLOT]}' of the checkpoint has no place in the model / optimizer given")
+            if skeleton[_SLOT] not in flat:
+                raise CheckpointError(
+                    f"tensor '{skeleton[_SLOT]}' of the checkpoint has no place in the model / optimizer given"
+                )
             return flat[skeleton[_SLOT]]
         return {n: merge_tensors(v, flat) for n, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)): return type(skeleton)(merge_tensors(v, flat) for v in skeleton)
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(merge_tensors(v, flat) for v in skeleton)
     return skeleton
 
 # %% ../nbs/09_checkpoint.ipynb #d2648beb
-_DCP_ALLOWED = {('torch', 'Size'), ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict'),
-                ('pathlib', 'PosixPath'), ('pathlib', 'WindowsPath'), ('pathlib', 'PurePosixPath'),
-                ('torch.distributed.checkpoint.filesystem', '_StorageInfo')}
+_DCP_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+
 
 class _DCPMetadataUnpickler(pickle.Unpickler):
     "Unpickles DCP's `.metadata`: its own record types, dtypes and sizes, nothing that can run code."
+
     def find_class(self, module, name):
         obj = super().find_class(module, name) if (module, name) in _DCP_ALLOWED else None
-        if module == 'torch.distributed.checkpoint.metadata' and isinstance(getattr(sys.modules.get(module), name, None), type):
+        if module == "torch.distributed.checkpoint.metadata" and isinstance(
+            getattr(sys.modules.get(module), name, None), type
+        ):
             obj = super().find_class(module, name)
-        if module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype): obj = getattr(torch, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            obj = getattr(torch, name)
         if obj is None:
-            raise UnsafeCheckpointError(f"sharded checkpoint metadata refused: it needs {module}.{name}, which is not one of "
-                                        "DCP's record types (unpickling arbitrary objects can run code)")
+            raise UnsafeCheckpointError(
+                f"sharded checkpoint metadata refused: it needs {module}.{name}, which is not one of "
+                "DCP's record types (unpickling arbitrary objects can run code)"
+            )
         return obj
+
 
 def _dcp_metadata(path):
     "DCP's `.metadata` of the checkpoint at `path`, unpickled with the allowlist."
-    f = Path(path) / '.metadata'
-    try: return _DCPMetadataUnpickler(io.BytesIO(f.read_bytes())).load()
-    except UnsafeCheckpointError as e: raise UnsafeCheckpointError(f"{f}: {e}") from None
+    f = Path(path) / ".metadata"
+    try:
+        return _DCPMetadataUnpickler(io.BytesIO(f.read_bytes())).load()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(f"{f}: {e}") from None
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{f}: damaged or missing: {_first_line(e)}; use an earlier checkpoint") from None
+
 
 def _dcp_reader(path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             md = _dcp_metadata(self.path)
-            if getattr(md, 'storage_meta', None) is None: md.storage_meta = StorageMeta()
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
+
     return SafeReader(path)
+
 
 def _dcp_planner():
     from torch.distributed.checkpoint import DefaultLoadPlanner
+
     class TensorsOnly(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):   # DCP would torch.load(weights_only=False) these
-            raise UnsafeCheckpointError(f"sharded checkpoint item '{read_item.dest_index.fqn}' is a pickled object, not a "
-                                        "tensor: refused (unpickling arbitrary objects can run code)")
+        def load_bytes(self, read_item, value):  # DCP would torch.load(weights_only=False) these
+            raise UnsafeCheckpointError(
+                f"sharded checkpoint item '{read_item.dest_index.fqn}' is a pickled object, not a "
+                "tensor: refused (unpickling arbitrary objects can run code)"
+            )
+
     return TensorsOnly()
 
-def dcp_save(flat:dict, path):
+
+def dcp_save(flat: dict, path):
     "Write a flat dict of (possibly sharded) tensors with `torch.distributed.checkpoint`; every rank calls it."
     import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='.*torch.distributed is disabled.*')
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True))
 
-def dcp_load(flat:dict, path):
+
+def dcp_load(flat: dict, path):
     "Read tensors saved by `dcp_save` in place into `flat` (same keys; shapes and shardings of this run)."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    _dcp_metadata(path)   # refuse a bad file here, before DCP wraps (and logs) the error
+
+    _dcp_metadata(path)  # refuse a bad file here, before DCP wraps (and logs) the error
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings('ignore', message='.*torch.distributed is disabled.*')
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(flat, storage_reader=_dcp_reader(path), planner=_dcp_planner())
-    except CheckpointError: raise
-    except (Exception, CheckpointException) as e:   # DCP wraps rank failures in its own (BaseException) type
-        msg = str(e)   # our own errors come back inside DCP's text
-        if m := re.search(r'sharded checkpoint (?:metadata|item)[^;\n]*can run code\)', msg): raise UnsafeCheckpointError(f"{path}: {m[0]}") from None
-        if m := re.search(r'\S*\.metadata: damaged or missing[^;\n]*', msg): raise CheckpointError(m[0]) from None
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP wraps rank failures in its own (BaseException) type
+        msg = str(e)  # our own errors come back inside DCP's text
+        if m := re.search(r"sharded checkpoint (?:metadata|item)[^;\n]*can run code\)", msg):
+            raise UnsafeCheckpointError(f"{path}: {m[0]}") from None
+        if m := re.search(r"\S*\.metadata: damaged or missing[^;\n]*", msg):
+            raise CheckpointError(m[0]) from None
         raise CheckpointError(f"{path}: sharded checkpoint could not be read into this model: {_first_line(e)}") from e
 
 # %% ../nbs/09_checkpoint.ipynb #d5867795
 def _dist():
     "(rank, world_size, distributed) of this process."
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size(), True
-    return int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1)), False
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), True
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), False
+
 
 def _barrier():
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized(): dist.barrier()
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
 
 def _has_dtensor(tree) -> bool:
     from torch.distributed.tensor import DTensor
-    if isinstance(tree, DTensor): return True
-    if isinstance(tree, dict): return any(_has_dtensor(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)): return any(_has_dtensor(v) for v in tree)
+
+    if isinstance(tree, DTensor):
+        return True
+    if isinstance(tree, dict):
+        return any(_has_dtensor(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_has_dtensor(v) for v in tree)
     return False
 
-def _install(tmp:Path, path:Path):
+
+def _install(tmp: Path, path: Path):
     "Rename the finished temporary directory to `path`, moving an older `path` aside until the new one is in place."
-    old = path.with_name(f'.old-{path.name}')
-    if old.exists(): shutil.rmtree(old)
-    if path.exists(): os.rename(path, old)
+    old = path.with_name(f".old-{path.name}")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        os.rename(path, old)
     os.rename(tmp, path)
     fsync_dir(path.parent)
     return old
 
-def _write_state(file:Path, state:dict):
-    with open(file, 'wb') as f:
+
+def _write_state(file: Path, state: dict):
+    with open(file, "wb") as f:
         torch.save(state, _FaultTap(f) if os.environ.get(FAULT_ENV) else f)
-        f.flush(); os.fsync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
 
 # %% ../nbs/09_checkpoint.ipynb #0de5a6ec
-def save_checkpoint(path, state:dict, meta:dict|None=None, sharded=()) -> Path:
+def save_checkpoint(path, state: dict, meta: dict | None = None, sharded=()) -> Path:
     "Write `state` to the directory `path` atomically: temporary directory, fsync, rename, then the marker."
     path = Path(path)
     check_plain(state)
     sharded = [k for k in state if k in sharded or _has_dtensor(state[k])]
     rank, _, distributed = _dist()
-    if not sharded and rank != 0: return path
-    tmp = path.with_name(f'.tmp-{path.name}')
+    if not sharded and rank != 0:
+        return path
+    tmp = path.with_name(f".tmp-{path.name}")
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists(): shutil.rmtree(tmp)
+        if tmp.exists():
+            shutil.rmtree(tmp)
         tmp.mkdir()
     if sharded:
-        _barrier()   # the directory exists before any rank writes into it
+        _barrier()  # the directory exists before any rank writes into it
         skeleton, flat = split_tensors({k: state[k] for k in sharded})
         dcp_save(flat, tmp / SHARDED)
-        state = {**{k: v for k, v in state.items() if k not in sharded}, '_sharded': skeleton}
+        state = {**{k: v for k, v in state.items() if k not in sharded}, "_sharded": skeleton}
     if rank == 0:
         _write_state(tmp / STATE, state)
         write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
-        if (tmp / SHARDED).is_dir(): fsync_dir(tmp / SHARDED)
+        if (tmp / SHARDED).is_dir():
+            fsync_dir(tmp / SHARDED)
         fsync_dir(tmp)
-        fault_point('rename')
+        fault_point("rename")
         old = _install(tmp, path)
-        fault_point('marker')
-        write_marker(path, step=(meta or {}).get('step'))
-        if old.exists(): shutil.rmtree(old)
-    if sharded: _barrier()   # no rank reads or prunes before the marker exists
+        fault_point("marker")
+        write_marker(path, step=(meta or {}).get("step"))
+        if old.exists():
+            shutil.rmtree(old)
+    if sharded:
+        _barrier()  # no rank reads or prunes before the marker exists
     return path
 
 # %% ../nbs/09_checkpoint.ipynb #ba0a6882
@@ -344,25 +481,33 @@ def read_meta(path) -> dict:
     "The metadata of a complete checkpoint, read without loading any weights (`path` is added under 'path')."
     path = Path(path)
     if not is_complete(path):
-        what = 'does not exist' if not path.exists() else f'has no {MARKER} marker: its save never finished'
-        raise CheckpointError(f"checkpoint {path} {what}; give a complete checkpoint directory (step_NNNNNNN, best or final)")
-    try: meta = json.loads((path / META).read_text())
-    except (OSError, ValueError) as e: raise CheckpointError(f"{path / META}: unreadable ({_first_line(e)}); use an earlier checkpoint") from None
-    return {**meta, 'path': str(path)}
+        what = "does not exist" if not path.exists() else f"has no {MARKER} marker: its save never finished"
+        raise CheckpointError(
+            f"checkpoint {path} {what}; give a complete checkpoint directory (step_NNNNNNN, best or final)"
+        )
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / META}: unreadable ({_first_line(e)}); use an earlier checkpoint") from None
+    return {**meta, "path": str(path)}
 
-def load_checkpoint(path, template:dict|None=None, keys=None, mmap:bool=False) -> dict:
+
+def load_checkpoint(path, template: dict | None = None, keys=None, mmap: bool = False) -> dict:
     "Load a complete checkpoint safely; sharded entries are read into `template`; `keys` picks entries."
     path = Path(path)
     verify_checkpoint(path)
     state = safe_load(path / STATE, mmap=mmap)
-    skeleton = state.pop('_sharded', {})
+    skeleton = state.pop("_sharded", {})
     if keys is not None:
         state = {k: v for k, v in state.items() if k in keys}
         skeleton = {k: v for k, v in skeleton.items() if k in keys}
     if skeleton:
         missing = [k for k in skeleton if k not in (template or {})]
-        if missing: raise CheckpointError(f"{path}: entries {missing} were saved sharded (FSDP): pass template= with this run's "
-                                          "state dicts for them, or use restore_training_state(path, model, optimizer)")
+        if missing:
+            raise CheckpointError(
+                f"{path}: entries {missing} were saved sharded (FSDP): pass template= with this run's "
+                "state dicts for them, or use restore_training_state(path, model, optimizer)"
+            )
         _, flat = split_tensors({k: template[k] for k in skeleton})
         dcp_load(flat, path / SHARDED)
         state.update(merge_tensors(skeleton, flat))
@@ -372,58 +517,82 @@ def load_checkpoint(path, template:dict|None=None, keys=None, mmap:bool=False) -
 class CheckpointWarning(UserWarning):
     "A checkpoint was skipped (damaged) and an older one is used instead."
 
-def latest_checkpoint(run_dir, deep:bool=False) -> Path|None:
+
+def latest_checkpoint(run_dir, deep: bool = False) -> Path | None:
     "The newest complete, undamaged step checkpoint of a run (by step number), or None; damaged ones are skipped with a warning."
     root = Path(run_dir)
-    if (root / 'checkpoints').is_dir(): root = root / 'checkpoints'
+    if (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
     for step, p in reversed(list_checkpoints(root)):
         try:
             verify_checkpoint(p, deep=deep)
             return p
         except CheckpointError as e:
-            warnings.warn(f"skipping damaged checkpoint {p.name}: {e}; falling back to the one before", CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"skipping damaged checkpoint {p.name}: {e}; falling back to the one before",
+                CheckpointWarning,
+                stacklevel=2,
+            )
     return None
 
 # %% ../nbs/09_checkpoint.ipynb #83ddbaf7
-def prune_checkpoints(root, keep_last:int) -> list:
+def prune_checkpoints(root, keep_last: int) -> list:
     "Delete all but the newest `keep_last` complete step checkpoints under `root` and any unfinished saves; return what went."
     root = Path(root)
-    if keep_last < 0: raise ValueError(f"training.keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
-    if not root.is_dir(): return []
-    for old in root.glob('.old-*'):   # a replacement interrupted before its marker: the old one is still the real one
-        new = root / old.name[len('.old-'):]
+    if keep_last < 0:
+        raise ValueError(f"training.keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
+    if not root.is_dir():
+        return []
+    for old in root.glob(".old-*"):  # a replacement interrupted before its marker: the old one is still the real one
+        new = root / old.name[len(".old-") :]
         if not is_complete(new) and is_complete(old):
-            if new.exists(): shutil.rmtree(new)
+            if new.exists():
+                shutil.rmtree(new)
             os.rename(old, new)
     done = list_checkpoints(root)
     gone = [p for _, p in done[:-keep_last]] if keep_last else []
-    gone += [p for p in root.iterdir() if p.is_dir() and (p.name.startswith(('.tmp-', '.old-'))
-                                                          or (checkpoint_step(p) is not None and not is_complete(p)))]
-    for p in gone: shutil.rmtree(p, ignore_errors=True)
+    gone += [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and (p.name.startswith((".tmp-", ".old-")) or (checkpoint_step(p) is not None and not is_complete(p)))
+    ]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
     return sorted(gone)
 
 # %% ../nbs/09_checkpoint.ipynb #877b7368
-def to_host(tree, cache:dict|None=None):
+def to_host(tree, cache: dict | None = None):
     "A copy of `tree` with tensors in host memory (pinned for GPU ones), reusing `cache`'s buffers; shared tensors stay shared."
     memo, on_gpu = {}, [False]
+
     def copy(t, path):
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
-        if key in memo: return memo[key]
-        gpu = t.device.type != 'cpu'
+        if key in memo:
+            return memo[key]
+        gpu = t.device.type != "cpu"
         buf = None if cache is None else cache.get(path)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != t.stride():
-            buf = torch.empty_like(t, device='cpu', pin_memory=gpu)
-            if cache is not None: cache[path] = buf
-        buf.copy_(t.detach(), non_blocking=gpu); on_gpu[0] |= gpu
+            buf = torch.empty_like(t, device="cpu", pin_memory=gpu)
+            if cache is not None:
+                cache[path] = buf
+        buf.copy_(t.detach(), non_blocking=gpu)
+        on_gpu[0] |= gpu
         memo[key] = buf
         return buf
+
     def walk(x, path):
-        if isinstance(x, torch.Tensor): return copy(x, path)
-        if isinstance(x, dict): return {k: walk(v, f'{path}/{k}') for k, v in x.items()}
-        if isinstance(x, (list, tuple)): return type(x)(walk(v, f'{path}/{i}') for i, v in enumerate(x))
+        if isinstance(x, torch.Tensor):
+            return copy(x, path)
+        if isinstance(x, dict):
+            return {k: walk(v, f"{path}/{k}") for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v, f"{path}/{i}") for i, v in enumerate(x))
         return x
-    out = walk(tree, '')
-    if on_gpu[0]: torch.cuda.synchronize()
+
+    out = walk(tree, "")
+    if on_gpu[0]:
+        torch.cuda.synchronize()
     return out
 
 # %% ../nbs/09_checkpoint.ipynb #b4cb7714
@@ -431,135 +600,197 @@ def copy_checkpoint(src, dst) -> Path:
     "Copy a complete checkpoint to `dst` (e.g. on a persistent volume) with the same temporary-rename-marker steps."
     src, dst = Path(src), Path(dst)
     verify_checkpoint(src)
-    tmp = dst.with_name(f'.tmp-{dst.name}')
-    if tmp.exists(): shutil.rmtree(tmp)
-    for f in sorted(src.rglob('*')):
+    tmp = dst.with_name(f".tmp-{dst.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    for f in sorted(src.rglob("*")):
         if f.is_file() and f.name != MARKER:
-            out = tmp / f.relative_to(src); out.parent.mkdir(parents=True, exist_ok=True)
+            out = tmp / f.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, out)
-            with open(out, 'rb+') as h: os.fsync(h.fileno())
+            with open(out, "rb+") as h:
+                os.fsync(h.fileno())
     dst.parent.mkdir(parents=True, exist_ok=True)
     fsync_dir(tmp)
     old = _install(tmp, dst)
-    write_marker(dst, **{k: v for k, v in json.loads((src / MARKER).read_text()).items() if k not in ('files', 'time')})
-    if old.exists(): shutil.rmtree(old)
+    write_marker(dst, **{k: v for k, v in json.loads((src / MARKER).read_text()).items() if k not in ("files", "time")})
+    if old.exists():
+        shutil.rmtree(old)
     return dst
 
 # %% ../nbs/09_checkpoint.ipynb #d39f2fb6
 class Checkpointer:
     "Step checkpoints under `root`: atomic, keep-last-N by step number, `best/` by a metric, optionally in the background."
-    def __init__(self, root, keep_last:int=3, background:bool=False, mirror=None):
+
+    def __init__(self, root, keep_last: int = 3, background: bool = False, mirror=None):
         self.root, self.keep_last, self.background = Path(root), keep_last, background
         self.mirror = Path(mirror) if mirror else None
         self._thread, self._error, self._staging = None, None, {}
-        self.blocked_s = 0.0   # how long the last save held up its caller
-        self.best = None   # the best value so far, read back from best/ so a resumed run keeps comparing against it
-        if is_complete(self.root / 'best'):
-            try: self.best = read_meta(self.root / 'best').get('selection', {}).get('value')
-            except CheckpointError as e: warnings.warn(f"best/ is unreadable, the next evaluation replaces it: {e}", CheckpointWarning)
+        self.blocked_s = 0.0  # how long the last save held up its caller
+        self.best = None  # the best value so far, read back from best/ so a resumed run keeps comparing against it
+        if is_complete(self.root / "best"):
+            try:
+                self.best = read_meta(self.root / "best").get("selection", {}).get("value")
+            except CheckpointError as e:
+                warnings.warn(f"best/ is unreadable, the next evaluation replaces it: {e}", CheckpointWarning)
 
     @classmethod
-    def from_config(cls, cfg:Config, run_dir):
+    def from_config(cls, cfg: Config, run_dir):
         "The checkpointer of a run: `training.keep_last`, `training.background_save`, `training.persistent_dir`."
         t = cfg.training
-        mirror = Path(t.persistent_dir) / Path(run_dir).name / 'checkpoints' if t.persistent_dir else None
-        return cls(Path(run_dir) / 'checkpoints', t.keep_last, t.background_save, mirror)
+        mirror = Path(t.persistent_dir) / Path(run_dir).name / "checkpoints" if t.persistent_dir else None
+        return cls(Path(run_dir) / "checkpoints", t.keep_last, t.background_save, mirror)
 
     def _write(self, path, state, meta, prune):
         save_checkpoint(path, state, meta)
-        if _dist()[0] != 0: return
-        if prune: prune_checkpoints(self.root, self.keep_last)
+        if _dist()[0] != 0:
+            return
+        if prune:
+            prune_checkpoints(self.root, self.keep_last)
         if self.mirror:
             copy_checkpoint(path, self.mirror / path.name)
-            if prune: prune_checkpoints(self.mirror, self.keep_last)
+            if prune:
+                prune_checkpoints(self.mirror, self.keep_last)
 
     def _run(self, *args):
-        try: self._write(*args)
-        except BaseException as e: self._error = e
+        try:
+            self._write(*args)
+        except BaseException as e:
+            self._error = e
 
     def _submit(self, path, state, meta, prune=True) -> Path:
         self.wait()
         t0 = time.perf_counter()
-        if _dist()[0] != 0 and not _has_dtensor(state): return path   # only rank 0 writes a replicated state
+        if _dist()[0] != 0 and not _has_dtensor(state):
+            return path  # only rank 0 writes a replicated state
         if self.background and not _has_dtensor(state):
-            check_plain(state)   # fail here, in the caller, not in the thread
-            snap = to_host(state, self._staging)   # the previous save is done (wait above), so its buffers are free
-            self._thread = threading.Thread(target=self._run, args=(path, snap, meta, prune), name=f'save {path.name}')
+            check_plain(state)  # fail here, in the caller, not in the thread
+            snap = to_host(state, self._staging)  # the previous save is done (wait above), so its buffers are free
+            self._thread = threading.Thread(target=self._run, args=(path, snap, meta, prune), name=f"save {path.name}")
             self._thread.start()
-        else: self._write(path, state, meta, prune)
+        else:
+            self._write(path, state, meta, prune)
         self.blocked_s = time.perf_counter() - t0
         return path
 
-    def save(self, step:int, state:dict, meta:dict) -> Path:
+    def save(self, step: int, state: dict, meta: dict) -> Path:
         "Save the checkpoint of `step`, then prune to the newest `keep_last`; returns its path (still being written when in the background)."
         return self._submit(self.root / checkpoint_name(step), state, meta)
 
-    def save_best(self, state:dict, meta:dict, value:float, metric:str='val/loss', mode:str='min') -> bool:
+    def save_best(self, state: dict, meta: dict, value: float, metric: str = "val/loss", mode: str = "min") -> bool:
         "Replace `best/` when `value` of `metric` beats the best so far (`mode` min or max); return whether it did."
-        if mode not in ('min', 'max'): raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-        if self.best is not None and not (value < self.best if mode == 'min' else value > self.best): return False
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        if self.best is not None and not (value < self.best if mode == "min" else value > self.best):
+            return False
         rule = f"{'lowest' if mode == 'min' else 'highest'} {metric}"
-        sel = dict(rule=rule, metric=metric, mode=mode, value=value, step=meta.get('step'))
-        self._submit(self.root / 'best', state, {**meta, 'selection': sel}, prune=False)
+        sel = dict(rule=rule, metric=metric, mode=mode, value=value, step=meta.get("step"))
+        self._submit(self.root / "best", state, {**meta, "selection": sel}, prune=False)
         self.best = value
         return True
 
     def wait(self):
         "Block until the save in flight is written; re-raise its error here."
-        if self._thread is not None: self._thread.join(); self._thread = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
             raise CheckpointError(f"background save failed: {type(e).__name__}: {e}") from e
 
-    def close(self): self.wait()
+    def close(self):
+        self.wait()
 
 # %% ../nbs/09_checkpoint.ipynb #da7e3413
-def is_sharded(model:nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> bool:
     "Whether the model's parameters are DTensors (FSDP2 `fully_shard`)."
     from torch.distributed.tensor import DTensor
+
     return any(isinstance(p, DTensor) for p in model.parameters())
+
 
 def gather_ranks(obj) -> list:
     "`[obj of rank 0, obj of rank 1, ...]` in a distributed run, `[obj]` otherwise (every rank gets the list)."
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return [obj]
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
-def _state_dicts(model, optimizer, dcp_api:bool=False):
+
+def _state_dicts(model, optimizer, dcp_api: bool = False):
     "Plain state dicts, or under FSDP2 (or `dcp_api`) those of `torch.distributed.checkpoint.state_dict` (optimizer keyed by name)."
-    if not (dcp_api or is_sharded(model)): return model.state_dict(), None if optimizer is None else optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
-    if optimizer is None: return get_model_state_dict(model), None
+    if not (dcp_api or is_sharded(model)):
+        return model.state_dict(), None if optimizer is None else optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return get_model_state_dict(model), None
     return get_state_dict(model, optimizer)
 
-def training_state(model:nn.Module, optimizer=None, scheduler=None, *, step:int, tokens:int=0, data_state=None, **extra) -> dict:
+
+def training_state(
+    model: nn.Module, optimizer=None, scheduler=None, *, step: int, tokens: int = 0, data_state=None, **extra
+) -> dict:
     "The standard checkpoint: model, optimizer, scheduler, step, tokens, data-loader state and RNG of every rank."
     msd, osd = _state_dicts(model, optimizer)
-    return dict(model=msd, optimizer=osd, scheduler=None if scheduler is None else scheduler.state_dict(),
-                step=step, tokens=tokens, data=gather_ranks(data_state), rng=gather_ranks(rng_state()), **extra)
+    return dict(
+        model=msd,
+        optimizer=osd,
+        scheduler=None if scheduler is None else scheduler.state_dict(),
+        step=step,
+        tokens=tokens,
+        data=gather_ranks(data_state),
+        rng=gather_ranks(rng_state()),
+        **extra,
+    )
 
-def checkpoint_meta(cfg:Config, *, step:int, tokens:int=0, data_fingerprint:str='', world_size:int|None=None,
-                    stage:str|None=None, **extra) -> dict:
+
+def checkpoint_meta(
+    cfg: Config,
+    *,
+    step: int,
+    tokens: int = 0,
+    data_fingerprint: str = "",
+    world_size: int | None = None,
+    stage: str | None = None,
+    **extra,
+) -> dict:
     "The small JSON beside the weights: what resume and stage checks read without loading them."
-    return dict(format=FORMAT, step=step, tokens=tokens, stage=stage or cfg.stage.name,
-                mode='lora' if cfg.sft.lora_rank else 'full', data_fingerprint=data_fingerprint,
-                world_size=world_size or _dist()[1], config_hash=config_hash(cfg), config=cfg.to_dict(),
-                torch=torch.__version__, time=_now(), **extra)
+    return dict(
+        format=FORMAT,
+        step=step,
+        tokens=tokens,
+        stage=stage or cfg.stage.name,
+        mode="lora" if cfg.sft.lora_rank else "full",
+        data_fingerprint=data_fingerprint,
+        world_size=world_size or _dist()[1],
+        config_hash=config_hash(cfg),
+        config=cfg.to_dict(),
+        torch=torch.__version__,
+        time=_now(),
+        **extra,
+    )
 
 # %% ../nbs/09_checkpoint.ipynb #d94a51db
 def _set_model(model, sd, path, strict=True, dcp_api=False):
     try:
         if dcp_api or is_sharded(model):
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
-            full = is_sharded(model) and not _has_dtensor(sd)   # an unsharded source (an export, a DDP checkpoint) is the full model
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            full = is_sharded(model) and not _has_dtensor(
+                sd
+            )  # an unsharded source (an export, a DDP checkpoint) is the full model
             set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=full, strict=strict))
-        else: model.load_state_dict(sd, strict=strict)
+        else:
+            model.load_state_dict(sd, strict=strict)
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"{path}: its weights do not fit this model: {_first_line(e)}") from None
 
-def restore_training_state(path, model:nn.Module, optimizer=None, scheduler=None, restore_rng:bool=True) -> dict:
+
+def restore_training_state(path, model: nn.Module, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
     "Load a `training_state` checkpoint into model, optimizer and scheduler; set this rank's RNG; return step, tokens, data, meta."
     path = Path(path)
     meta = read_meta(path)
@@ -569,93 +800,138 @@ def restore_training_state(path, model:nn.Module, optimizer=None, scheduler=None
     if (path / SHARDED).is_dir():
         msd, osd = _state_dicts(model, optimizer, dcp_api=True)
         template = dict(model=msd) if osd is None else dict(model=msd, optimizer=osd)
-    state = load_checkpoint(path, template=template, keys=None if optimizer is not None else ('model', 'scheduler', 'step', 'tokens', 'data', 'rng'))
-    if len(state['rng']) != world:
-        raise ResumeError(f"{path} was saved by {len(state['rng'])} ranks and this run has {world}: exact resume needs the same "
-                          "world size; start a new stage from its weights with --init instead")
-    _set_model(model, state['model'], path, dcp_api=dcp_api)
+    state = load_checkpoint(
+        path,
+        template=template,
+        keys=None if optimizer is not None else ("model", "scheduler", "step", "tokens", "data", "rng"),
+    )
+    if len(state["rng"]) != world:
+        raise ResumeError(
+            f"{path} was saved by {len(state['rng'])} ranks and this run has {world}: exact resume needs the same "
+            "world size; start a new stage from its weights with --init instead"
+        )
+    _set_model(model, state["model"], path, dcp_api=dcp_api)
     if optimizer is not None:
-        if state.get('optimizer') is None: raise CheckpointError(f"{path} holds no optimizer state: load it with --init (weights only)")
+        if state.get("optimizer") is None:
+            raise CheckpointError(f"{path} holds no optimizer state: load it with --init (weights only)")
         try:
             if dcp_api:
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-                set_optimizer_state_dict(model, optimizer, state['optimizer'])
-            else: optimizer.load_state_dict(state['optimizer'])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{path}: its optimizer state does not fit this optimizer: {_first_line(e)}") from None
-    if scheduler is not None and state.get('scheduler') is not None: scheduler.load_state_dict(state['scheduler'])
-    if restore_rng: set_rng_state(state['rng'][rank])
-    return dict(step=state['step'], tokens=state['tokens'], data=state['data'][rank], meta=meta)
 
-def load_weights(path, model:nn.Module, strict:bool=True) -> dict:
+                set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            else:
+                optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(
+                f"{path}: its optimizer state does not fit this optimizer: {_first_line(e)}"
+            ) from None
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        set_rng_state(state["rng"][rank])
+    return dict(step=state["step"], tokens=state["tokens"], data=state["data"][rank], meta=meta)
+
+
+def load_weights(path, model: nn.Module, strict: bool = True) -> dict:
     "Weights-only start (`--init`): load the model's tensors from a checkpoint or an export; return its meta."
     path = Path(path)
     meta = read_meta(path)
-    if (path / EXPORT_WEIGHTS).is_file(): sd = load_exported(path)
+    if (path / EXPORT_WEIGHTS).is_file():
+        sd = load_exported(path)
     elif (path / SHARDED).is_dir():
-        sd = load_checkpoint(path, template=dict(model=_state_dicts(model, None, dcp_api=True)[0]), keys=('model',))['model']
-    else: sd = load_checkpoint(path, keys=('model',), mmap=True)['model']   # mmap: the optimizer's bytes are never read
+        sd = load_checkpoint(path, template=dict(model=_state_dicts(model, None, dcp_api=True)[0]), keys=("model",))[
+            "model"
+        ]
+    else:
+        sd = load_checkpoint(path, keys=("model",), mmap=True)["model"]  # mmap: the optimizer's bytes are never read
     _set_model(model, sd, path, strict, dcp_api=(path / SHARDED).is_dir())
     return meta
 
 # %% ../nbs/09_checkpoint.ipynb #ded3c673
-def _config_of(meta:dict) -> Config:
-    try: return config_from_dict(meta['config'])
+def _config_of(meta: dict) -> Config:
+    try:
+        return config_from_dict(meta["config"])
     except (ConfigError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{meta.get('path', 'checkpoint')}: its stored config cannot be read by this version ({e})") from None
+        raise CheckpointError(
+            f"{meta.get('path', 'checkpoint')}: its stored config cannot be read by this version ({e})"
+        ) from None
 
-def check_resume(meta:dict, cfg:Config, world_size:int|None=None):
+
+def check_resume(meta: dict, cfg: Config, world_size: int | None = None):
     "Refuse an exact resume, listing the keys, when the training-critical config or world size differ from the checkpoint's."
     saved, world_size = _config_of(meta), world_size or _dist()[1]
     keys, was, now = critical_diff(saved, cfg), critical_dict(saved), critical_dict(cfg)
     lines = [f"  {k}: {was[k]!r} in the checkpoint, {now[k]!r} now" for k in keys]
-    if meta.get('world_size') != world_size:
-        keys = keys + ['world_size']; lines.append(f"  world_size: {meta.get('world_size')} in the checkpoint, {world_size} now")
+    if meta.get("world_size") != world_size:
+        keys = keys + ["world_size"]
+        lines.append(f"  world_size: {meta.get('world_size')} in the checkpoint, {world_size} now")
     if keys:
-        raise ResumeError(f"cannot resume {meta.get('path', 'the checkpoint')} exactly: training-critical settings differ "
-                          f"({', '.join(keys)}):\n" + '\n'.join(lines) + "\nUndo the change to continue this run, or start a new "
-                          "stage from its weights with --init PATH (fresh optimizer, schedule and step count).")
+        raise ResumeError(
+            f"cannot resume {meta.get('path', 'the checkpoint')} exactly: training-critical settings differ "
+            f"({', '.join(keys)}):\n" + "\n".join(lines) + "\nUndo the change to continue this run, or start a new "
+            "stage from its weights with --init PATH (fresh optimizer, schedule and step count)."
+        )
 
 # %% ../nbs/09_checkpoint.ipynb #dead96d9
-STAGES = ('pretrain', 'refinement', 'sft')
-STAGE_SOURCES = dict(pretrain=('pretrain',), refinement=('pretrain',), sft=('refinement', 'sft'))
+STAGES = ("pretrain", "refinement", "sft")
+STAGE_SOURCES = dict(pretrain=("pretrain",), refinement=("pretrain",), sft=("refinement", "sft"))
 
-def check_stage_transition(source:str, target:str, declared:str=''):
+
+def check_stage_transition(source: str, target: str, declared: str = ""):
     "Refuse a weights-only start from a `source`-stage checkpoint into stage `target` that breaks pretrain -> refinement -> sft."
-    for what, s in (('checkpoint stage', source), ('stage.name', target)):
-        if s not in STAGES: raise StageError(f"{what} {s!r} unknown: stages are {', '.join(STAGES)}")
+    for what, s in (("checkpoint stage", source), ("stage.name", target)):
+        if s not in STAGES:
+            raise StageError(f"{what} {s!r} unknown: stages are {', '.join(STAGES)}")
     if declared and declared != source:
-        raise StageError(f"stage.source_stage declares {declared!r} but the checkpoint is from stage {source!r}: "
-                         "fix the declaration or give the right checkpoint")
-    if source == 'pretrain' and target == 'sft':
-        raise StageError("pretrain -> sft is refused: the release contract is pretrain -> refinement -> sft, and SFT starts from "
-                         "refinement weights. Run stage.name=refinement with --init on this checkpoint (same data selection, "
-                         "fresh optimizer) first, then SFT from its final/.")
-    if source == 'sft' and target == 'sft' and declared != 'sft':
+        raise StageError(
+            f"stage.source_stage declares {declared!r} but the checkpoint is from stage {source!r}: "
+            "fix the declaration or give the right checkpoint"
+        )
+    if source == "pretrain" and target == "sft":
+        raise StageError(
+            "pretrain -> sft is refused: the release contract is pretrain -> refinement -> sft, and SFT starts from "
+            "refinement weights. Run stage.name=refinement with --init on this checkpoint (same data selection, "
+            "fresh optimizer) first, then SFT from its final/."
+        )
+    if source == "sft" and target == "sft" and declared != "sft":
         raise StageError("sft -> sft must be declared: set stage.source_stage=sft to fine-tune an SFT checkpoint again")
     if source not in STAGE_SOURCES[target]:
-        raise StageError(f"{source} -> {target} is refused: stage {target} starts from {' or '.join(STAGE_SOURCES[target])} "
-                         f"weights (contract: pretrain -> refinement -> sft)")
+        raise StageError(
+            f"{source} -> {target} is refused: stage {target} starts from {' or '.join(STAGE_SOURCES[target])} "
+            f"weights (contract: pretrain -> refinement -> sft)"
+        )
 
 # %% ../nbs/09_checkpoint.ipynb #dc4bb5ce
-def check_data_identity(source_fp:str, fingerprint:str, path=''):
+def check_data_identity(source_fp: str, fingerprint: str, path=""):
     "Refinement reads exactly its source's data selection: refuse unless both fingerprints are present and equal."
-    if not source_fp: raise StageError(f"{path or 'the source checkpoint'} records no data fingerprint, so refinement cannot prove it reads "
-                                       "the same selection: refused (fail closed); use a checkpoint saved with its fingerprint")
-    if not fingerprint: raise StageError("refinement needs this run's data fingerprint to compare with its source's: refused (fail closed)")
+    if not source_fp:
+        raise StageError(
+            f"{path or 'the source checkpoint'} records no data fingerprint, so refinement cannot prove it reads "
+            "the same selection: refused (fail closed); use a checkpoint saved with its fingerprint"
+        )
+    if not fingerprint:
+        raise StageError(
+            "refinement needs this run's data fingerprint to compare with its source's: refused (fail closed)"
+        )
     if source_fp != fingerprint:
-        raise StageError(f"refinement data differs from its pretraining source {path}: fingerprint {fingerprint} here, {source_fp} "
-                         "in the checkpoint. Refinement must read exactly the pretraining selection (sources, revisions, shards, "
-                         "documents); equal token counts are not enough")
+        raise StageError(
+            f"refinement data differs from its pretraining source {path}: fingerprint {fingerprint} here, {source_fp} "
+            "in the checkpoint. Refinement must read exactly the pretraining selection (sources, revisions, shards, "
+            "documents); equal token counts are not enough"
+        )
 
-def check_init_source(path, cfg:Config, data_fingerprint:str='') -> dict:
+
+def check_init_source(path, cfg: Config, data_fingerprint: str = "") -> dict:
     "Before building a model: check a weights-only start from `path` (stage, LoRA, data identity) on its metadata alone."
     meta = read_meta(path)
-    check_stage_transition(meta.get('stage', ''), cfg.stage.name, cfg.stage.source_stage)
-    if meta.get('mode') == 'lora' and not cfg.sft.lora_rank:
-        raise StageError(f"{path} is a LoRA checkpoint: LoRA runs are experimental and do not start a full-parameter stage; "
-                         "start from the full-parameter checkpoint instead")
-    if cfg.stage.name == 'refinement': check_data_identity(meta.get('data_fingerprint', ''), data_fingerprint, path)
+    check_stage_transition(meta.get("stage", ""), cfg.stage.name, cfg.stage.source_stage)
+    if meta.get("mode") == "lora" and not cfg.sft.lora_rank:
+        raise StageError(
+            f"{path} is a LoRA checkpoint: LoRA runs are experimental and do not start a full-parameter stage; "
+            "start from the full-parameter checkpoint instead"
+        )
+    if cfg.stage.name == "refinement":
+        check_data_identity(meta.get("data_fingerprint", ""), data_fingerprint, path)
     return meta
 
 # %% ../nbs/09_checkpoint.ipynb #74f3ad17
@@ -664,70 +940,107 @@ def tied_names(source) -> dict:
     seen, ties = {}, {}
     if isinstance(source, nn.Module):
         for name, prm in source.named_parameters(remove_duplicate=False):
-            if id(prm) in seen: ties[name] = seen[id(prm)]
-            else: seen[id(prm)] = name
+            if id(prm) in seen:
+                ties[name] = seen[id(prm)]
+            else:
+                seen[id(prm)] = name
         return ties
     for name, t in source.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
-        if key in seen: ties[name] = seen[key]
-        else: seen[key] = name
+        if key in seen:
+            ties[name] = seen[key]
+        else:
+            seen[key] = name
     return ties
 
-def file_sha256(path, chunk:int=1 << 22) -> str:
+
+def file_sha256(path, chunk: int = 1 << 22) -> str:
     "SHA-256 of a file, read in chunks."
     h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
     return h.hexdigest()
 
-def compare_state_dicts(a:dict, b:dict) -> list:
+
+def compare_state_dicts(a: dict, b: dict) -> list:
     "Every difference between two state dicts (keys, dtypes, shapes, bits); empty when identical."
-    out = [f'missing {k}' for k in a if k not in b] + [f'unexpected {k}' for k in b if k not in a]
+    out = [f"missing {k}" for k in a if k not in b] + [f"unexpected {k}" for k in b if k not in a]
     for k in a:
-        if k not in b: continue
+        if k not in b:
+            continue
         x, y = a[k].detach().cpu(), b[k].detach().cpu()
-        if x.dtype != y.dtype or x.shape != y.shape: out.append(f'{k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}')
-        elif not torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)):
-            out.append(f'{k}: values differ')   # compared as bytes, so NaNs and -0.0 count as they are
+        if x.dtype != y.dtype or x.shape != y.shape:
+            out.append(f"{k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
+        elif not torch.equal(
+            x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)
+        ):
+            out.append(f"{k}: values differ")  # compared as bytes, so NaNs and -0.0 count as they are
     return out
+
 
 def load_exported(path) -> dict:
     "The state dict of an export, tied names restored as the same tensor."
     from safetensors import safe_open
     from safetensors.torch import load_file
+
     f = Path(path) / EXPORT_WEIGHTS
     try:
         sd = load_file(f)
-        with safe_open(f, 'pt') as h: ties = json.loads((h.metadata() or {}).get('tied', '{}'))
-    except Exception as e: raise CheckpointError(f"{f}: damaged or not a safetensors file ({_first_line(e)})") from None
-    for alias, name in ties.items(): sd[alias] = sd[name]
+        with safe_open(f, "pt") as h:
+            ties = json.loads((h.metadata() or {}).get("tied", "{}"))
+    except Exception as e:
+        raise CheckpointError(f"{f}: damaged or not a safetensors file ({_first_line(e)})") from None
+    for alias, name in ties.items():
+        sd[alias] = sd[name]
     return sd
 
 # %% ../nbs/09_checkpoint.ipynb #cf2e97bc
 def _full_state_dict(source) -> dict:
-    if not isinstance(source, nn.Module): return dict(source)
-    if not is_sharded(source): return source.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+    if not isinstance(source, nn.Module):
+        return dict(source)
+    if not is_sharded(source):
+        return source.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(source, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-def export_model(source, out_dir, *, config:dict, codec:dict, meta:dict|None=None) -> dict:
+
+def export_model(source, out_dir, *, config: dict, codec: dict, meta: dict | None = None) -> dict:
     "Write `model.safetensors` (tied tensors once) and `config.json`, check the round trip tensor by tensor, return SHA-256 per file."
     from safetensors.torch import save_file
+
     out_dir = Path(out_dir)
-    sd, ties = _full_state_dict(source), tied_names(source)   # every rank joins the gather under FSDP
-    if _dist()[0] != 0: return {}
-    tmp = out_dir.with_name(f'.tmp-{out_dir.name}')
-    if tmp.exists(): shutil.rmtree(tmp)
+    sd, ties = _full_state_dict(source), tied_names(source)  # every rank joins the gather under FSDP
+    if _dist()[0] != 0:
+        return {}
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in sd.items() if k not in ties}
     ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
     tensors = {k: t.clone() if ptrs.count(t.untyped_storage().data_ptr()) > 1 else t for k, t in tensors.items()}
-    save_file(tensors, tmp / EXPORT_WEIGHTS, metadata=dict(format='pt', tied=json.dumps(ties)))
+    save_file(tensors, tmp / EXPORT_WEIGHTS, metadata=dict(format="pt", tied=json.dumps(ties)))
     n_params = sum(t.numel() for t in tensors.values())
-    write_durable(tmp / EXPORT_CONFIG, json.dumps(dict(format=f'cipher_nb/{FORMAT}', config=config, codec=codec, tied=ties,
-                                                       n_tensors=len(tensors), n_params=n_params), indent=1, default=str).encode())
+    write_durable(
+        tmp / EXPORT_CONFIG,
+        json.dumps(
+            dict(
+                format=f"cipher_nb/{FORMAT}",
+                config=config,
+                codec=codec,
+                tied=ties,
+                n_tensors=len(tensors),
+                n_params=n_params,
+            ),
+            indent=1,
+            default=str,
+        ).encode(),
+    )
     write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
-    with open(tmp / EXPORT_WEIGHTS, 'rb+') as h: os.fsync(h.fileno())
+    with open(tmp / EXPORT_WEIGHTS, "rb+") as h:
+        os.fsync(h.fileno())
     problems = compare_state_dicts(sd, load_exported(tmp))
     if problems:
         shutil.rmtree(tmp)
@@ -736,69 +1049,94 @@ def export_model(source, out_dir, *, config:dict, codec:dict, meta:dict|None=Non
     fsync_dir(tmp)
     old = _install(tmp, out_dir)
     write_marker(out_dir, sha256=hashes, tensors_checked=len(sd))
-    if old.exists(): shutil.rmtree(old)
+    if old.exists():
+        shutil.rmtree(old)
     return hashes
 
 # %% ../nbs/09_checkpoint.ipynb #00bd83c7
-def git_commit(path=None) -> dict|None:
+def git_commit(path=None) -> dict | None:
     "The commit of the git repository holding `path` (default: cipher_nb's source) and whether it has changes; None outside one."
     path = str(path or Path(cipher_nb.__file__).parent)
+
     def git(*a):
-        try: r = subprocess.run(['git', '-C', path, *a], capture_output=True, text=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired): return None
+        try:
+            r = subprocess.run(["git", "-C", path, *a], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
         return r.stdout.strip() if r.returncode == 0 else None
-    commit = git('rev-parse', 'HEAD')
-    if not commit: return None
-    return dict(commit=commit, dirty=bool(git('status', '--porcelain', '--untracked-files=no')))
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return None
+    return dict(commit=commit, dirty=bool(git("status", "--porcelain", "--untracked-files=no")))
+
 
 def hardware_info() -> dict:
     "The machine: CPU, cores, memory, GPUs, and the Python, torch and CUDA versions."
     cpu = platform.processor() or platform.machine()
-    try: cpu = next(l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name'))
-    except (OSError, StopIteration): pass
-    try: mem = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
-    except (ValueError, OSError, AttributeError): mem = None
-    info = dict(cpu=cpu, cores=os.cpu_count(), memory_gb=None if mem is None else round(mem, 1), platform=platform.platform(),
-                python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda)
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem = None
+    info = dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        memory_gb=None if mem is None else round(mem, 1),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+    )
     if torch.cuda.is_available():
-        info['gpus'] = [dict(name=torch.cuda.get_device_name(i), capability='.'.join(map(str, torch.cuda.get_device_capability(i))),
-                             memory_gb=round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1))
-                        for i in range(torch.cuda.device_count())]
+        info["gpus"] = [
+            dict(
+                name=torch.cuda.get_device_name(i),
+                capability=".".join(map(str, torch.cuda.get_device_capability(i))),
+                memory_gb=round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1),
+            )
+            for i in range(torch.cuda.device_count())
+        ]
     return info
+
 
 def checkpoint_hash(path) -> str:
     "One SHA-256 over a complete checkpoint's files (names and contents, marker excluded)."
     path = Path(path)
-    files = verify_checkpoint(path)['files']
-    return hashlib.sha256(''.join(f'{file_sha256(path / f)}  {f}\n' for f in sorted(files)).encode()).hexdigest()
+    files = verify_checkpoint(path)["files"]
+    return hashlib.sha256("".join(f"{file_sha256(path / f)}  {f}\n" for f in sorted(files)).encode()).hexdigest()
 
 # %% ../nbs/09_checkpoint.ipynb #4412d9ad
 @dataclass
 class RunRecord:
     "What a publishable run records (seed 002); the trainer updates it and `save`s it atomically."
-    run_name:str = ''
-    stage:str = 'pretrain'
-    git:dict|None = None                # {commit, dirty} of the framework, None outside a repository
-    source_checkpoint:dict|None = None  # {path, stage, step, config_hash, sha256} of --init / --resume
-    data_fingerprint:str = ''
-    codec:dict = field(default_factory=dict)
-    mode:str = 'full'                   # full | lora
-    optimizer:dict = field(default_factory=dict)
-    schedule:dict = field(default_factory=dict)
-    world_size:int = 1
-    hardware:dict = field(default_factory=dict)
-    precision:dict = field(default_factory=dict)   # {requested, used}
-    kernels:dict = field(default_factory=dict)     # component -> the path that actually ran
-    effective_batch:dict = field(default_factory=dict)
-    config_hash:str = ''
-    evals:list = field(default_factory=list)       # [{step, tokens, metrics}], every evaluation
-    selection_rule:str = ''
-    export:dict = field(default_factory=dict)      # file -> SHA-256
-    limitations:list = field(default_factory=list)
-    created:str = field(default_factory=_now)
-    updated:str = ''
 
-    def add_eval(self, step:int, metrics:dict, tokens:int|None=None):
+    run_name: str = ""
+    stage: str = "pretrain"
+    git: dict | None = None  # {commit, dirty} of the framework, None outside a repository
+    source_checkpoint: dict | None = None  # {path, stage, step, config_hash, sha256} of --init / --resume
+    data_fingerprint: str = ""
+    codec: dict = field(default_factory=dict)
+    mode: str = "full"  # full | lora
+    optimizer: dict = field(default_factory=dict)
+    schedule: dict = field(default_factory=dict)
+    world_size: int = 1
+    hardware: dict = field(default_factory=dict)
+    precision: dict = field(default_factory=dict)  # {requested, used}
+    kernels: dict = field(default_factory=dict)  # component -> the path that actually ran
+    effective_batch: dict = field(default_factory=dict)
+    config_hash: str = ""
+    evals: list = field(default_factory=list)  # [{step, tokens, metrics}], every evaluation
+    selection_rule: str = ""
+    export: dict = field(default_factory=dict)  # file -> SHA-256
+    limitations: list = field(default_factory=list)
+    created: str = field(default_factory=_now)
+    updated: str = ""
+
+    def add_eval(self, step: int, metrics: dict, tokens: int | None = None):
         "Append one evaluation's metrics."
         self.evals.append(dict(step=step, tokens=tokens, metrics=dict(metrics)))
 
@@ -812,27 +1150,58 @@ class RunRecord:
         "Read a record written by `save` (unknown keys are an error that names them)."
         d = json.loads(Path(path).read_text())
         extra = set(d) - {f.name for f in fields(cls)}
-        if extra: raise CheckpointError(f"{path}: unknown record keys {sorted(extra)}")
+        if extra:
+            raise CheckpointError(f"{path}: unknown record keys {sorted(extra)}")
         return cls(**d)
+
 
 def source_info(path) -> dict:
     "What the run record says about a source checkpoint: path, stage, step, config hash, content hash."
     meta = read_meta(path)
-    return dict(path=str(path), stage=meta.get('stage'), step=meta.get('step'), config_hash=meta.get('config_hash'),
-                sha256=checkpoint_hash(path))
+    return dict(
+        path=str(path),
+        stage=meta.get("stage"),
+        step=meta.get("step"),
+        config_hash=meta.get("config_hash"),
+        sha256=checkpoint_hash(path),
+    )
 
-def run_record(cfg:Config, *, world_size:int|None=None, data_fingerprint:str='', codec:dict|None=None,
-               source=None, run_name:str='') -> RunRecord:
+
+def run_record(
+    cfg: Config,
+    *,
+    world_size: int | None = None,
+    data_fingerprint: str = "",
+    codec: dict | None = None,
+    source=None,
+    run_name: str = "",
+) -> RunRecord:
     "A `RunRecord` filled from the config and the machine; the trainer adds kernels, evals, selection and export."
     t, o, ws = cfg.training, cfg.optim, world_size or _dist()[1]
     seqs = t.batch_size * t.grad_accum * ws
     return RunRecord(
-        run_name=run_name, stage=cfg.stage.name, git=git_commit(), source_checkpoint=None if source is None else source_info(source),
-        data_fingerprint=data_fingerprint, codec=dict(codec or dict(kind=cfg.data.codec, tokenizer=cfg.data.tokenizer)),
-        mode='lora' if cfg.sft.lora_rank else 'full',
-        optimizer=dict(name=o.name, betas=list(o.betas), eps=o.eps, weight_decay=t.weight_decay, decay_all=o.decay_all,
-                       lr_mult=dict(o.lr_mult), grad_clip=t.grad_clip),
+        run_name=run_name,
+        stage=cfg.stage.name,
+        git=git_commit(),
+        source_checkpoint=None if source is None else source_info(source),
+        data_fingerprint=data_fingerprint,
+        codec=dict(codec or dict(kind=cfg.data.codec, tokenizer=cfg.data.tokenizer)),
+        mode="lora" if cfg.sft.lora_rank else "full",
+        optimizer=dict(
+            name=o.name,
+            betas=list(o.betas),
+            eps=o.eps,
+            weight_decay=t.weight_decay,
+            decay_all=o.decay_all,
+            lr_mult=dict(o.lr_mult),
+            grad_clip=t.grad_clip,
+        ),
         schedule=dict(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps),
-        world_size=ws, hardware=hardware_info(), precision=dict(requested=t.precision),
-        effective_batch=dict(sequences=seqs, tokens=seqs * t.seq_len, per_rank_batch=t.batch_size, grad_accum=t.grad_accum),
-        config_hash=config_hash(cfg))
+        world_size=ws,
+        hardware=hardware_info(),
+        precision=dict(requested=t.precision),
+        effective_batch=dict(
+            sequences=seqs, tokens=seqs * t.seq_len, per_rank_batch=t.batch_size, grad_accum=t.grad_accum
+        ),
+        config_hash=config_hash(cfg),
+    )

@@ -11,340 +11,453 @@ __all__ = ['cosmetic', 'ModelConfig', 'DataConfig', 'TrainConfig', 'OptimConfig'
            'cipher_config']
 
 # %% ../nbs/01_config.ipynb #4220b6fb
-import dataclasses, difflib, hashlib, json, math, sys, typing
-from dataclasses import dataclass, field, fields, asdict
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import yaml
-from fastcore.script import call_parse, CliError
+from fastcore.script import CliError, call_parse
 
 # %% ../nbs/01_config.ipynb #497b898a
 def cosmetic(default, **kw):
     "A field that does not change the computation (left out of the config hash)."
-    if isinstance(default, (list, dict)): return field(default_factory=lambda: type(default)(default), metadata={'cosmetic': True}, **kw)
-    return field(default=default, metadata={'cosmetic': True}, **kw)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"cosmetic": True}, **kw)
+    return field(default=default, metadata={"cosmetic": True}, **kw)
 
-def _list(*xs): return field(default_factory=lambda: list(xs))
-def _dict(**kw): return field(default_factory=lambda: dict(kw))
+
+def _list(*xs):
+    return field(default_factory=lambda: list(xs))
+
+
+def _dict(**kw):
+    return field(default_factory=lambda: dict(kw))
 
 # %% ../nbs/01_config.ipynb #cfc0b3e4
 @dataclass
 class ModelConfig:
     "Shape of the network: attention, FFN / MoE, recurrent depth and the byte-level boundary predictor."
-    vocab:int = 272                 # 256 bytes + 16 specials; 32768 for the token-level H100 preset
-    d_model:int = 128
-    n_layers:int = 4                # main layers (with recurrence: n_prelude + n_core + n_coda)
-    n_heads:int = 2
-    n_kv_heads:int = 1
-    head_dim:int = 64
-    d_ff:int = 0                    # dense SwiGLU width; 0 = same active width as the MoE, (top_k + n_shared) * expert_d_ff
-    n_dense_layers:int = 1          # the first main layers use a dense FFN instead of the MoE
+
+    vocab: int = 272  # 256 bytes + 16 specials; 32768 for the token-level H100 preset
+    d_model: int = 128
+    n_layers: int = 4  # main layers (with recurrence: n_prelude + n_core + n_coda)
+    n_heads: int = 2
+    n_kv_heads: int = 1
+    head_dim: int = 64
+    d_ff: int = 0  # dense SwiGLU width; 0 = same active width as the MoE, (top_k + n_shared) * expert_d_ff
+    n_dense_layers: int = 1  # the first main layers use a dense FFN instead of the MoE
     # MoE
-    n_routed:int = 32
-    n_shared:int = 1
-    top_k:int = 2
-    expert_d_ff:int = 128
-    router_score:str = 'sigmoid'    # sigmoid (DeepSeek-V3, what the balancing bias is scaled for) | softmax
-    router_renorm:bool = True       # renormalise gates over the selected experts
-    route_scale:float = 1.0
-    bias_balance:bool = True        # DeepSeek-V3 auxiliary-loss-free balancing
-    bias_gamma:float = 1e-3
-    z_loss_weight:float = 1e-3
-    balance_loss_weight:float = 0.0 # seed 000 used 1e-3; off by default since bias balancing is on
-    n_pop_a:int = 0                 # experts [0, n_pop_a) form population A, the rest B; 0 = one population
-    ortho_weight:float = 0.01
-    moe_impl:str = 'auto'           # auto | grouped | bmm | loop
+    n_routed: int = 32
+    n_shared: int = 1
+    top_k: int = 2
+    expert_d_ff: int = 128
+    router_score: str = "sigmoid"  # sigmoid (DeepSeek-V3, what the balancing bias is scaled for) | softmax
+    router_renorm: bool = True  # renormalise gates over the selected experts
+    route_scale: float = 1.0
+    bias_balance: bool = True  # DeepSeek-V3 auxiliary-loss-free balancing
+    bias_gamma: float = 1e-3
+    z_loss_weight: float = 1e-3
+    balance_loss_weight: float = 0.0  # seed 000 used 1e-3; off by default since bias balancing is on
+    n_pop_a: int = 0  # experts [0, n_pop_a) form population A, the rest B; 0 = one population
+    ortho_weight: float = 0.01
+    moe_impl: str = "auto"  # auto | grouped | bmm | loop
     # attention
-    rope_base:float = 10000.0
-    rope_scaling:float = 1.0        # YaRN-style context extension factor; 1 = off
-    rope_orig_ctx:int = 2048        # the context length RoPE was trained at, for YaRN
-    sliding_window:int = 0          # 0 = full causal attention
+    rope_base: float = 10000.0
+    rope_scaling: float = 1.0  # YaRN-style context extension factor; 1 = off
+    rope_orig_ctx: int = 2048  # the context length RoPE was trained at, for YaRN
+    sliding_window: int = 0  # 0 = full causal attention
     # recurrent depth (Geiping et al.): prelude, core looped n_loops times, coda
-    n_prelude:int = 0
-    n_core:int = 0
-    n_coda:int = 0
-    n_loops:int = 1
-    random_loops:bool = False       # sample the loop count in training (mean n_loops)
-    backprop_loops:int = 0          # 0 = every loop carries gradients, k = only the last k
+    n_prelude: int = 0
+    n_core: int = 0
+    n_coda: int = 0
+    n_loops: int = 1
+    random_loops: bool = False  # sample the loop count in training (mean n_loops)
+    backprop_loops: int = 0  # 0 = every loop carries gradients, k = only the last k
     # byte-level hourglass with a boundary predictor
-    boundary:bool = False
-    n_byte_layers:int = 1           # byte layers before the predictor, and again after upsampling
-    bp_rate:float = 1 / 3.3         # target boundary rate (compression 3.3)
-    bp_mode:str = 'causal_fixed'    # causal_fixed | adaptive | topk (non-causal, refused for generation)
-    bp_temperature:float = 1.0
-    bp_loss:str = 'bce_binomial'    # bce_binomial | hinge
-    bp_loss_weight:float = 0.1
-    bp_binomial_weight:float = 0.1
-    bp_threshold_momentum:float = 0.9  # causal_fixed: EMA momentum of the running score quantile (per batch)
-    bp_hinge_sigmas:float = 1.0     # hinge loss: rate allowed above bp_rate, in binomial standard deviations
+    boundary: bool = False
+    n_byte_layers: int = 1  # byte layers before the predictor, and again after upsampling
+    bp_rate: float = 1 / 3.3  # target boundary rate (compression 3.3)
+    bp_mode: str = "causal_fixed"  # causal_fixed | adaptive | topk (non-causal, refused for generation)
+    bp_temperature: float = 1.0
+    bp_loss: str = "bce_binomial"  # bce_binomial | hinge
+    bp_loss_weight: float = 0.1
+    bp_binomial_weight: float = 0.1
+    bp_threshold_momentum: float = 0.9  # causal_fixed: EMA momentum of the running score quantile (per batch)
+    bp_hinge_sigmas: float = 1.0  # hinge loss: rate allowed above bp_rate, in binomial standard deviations
     # the rest
-    tie_embeddings:bool = True
-    norm_eps:float = 1e-5
-    init_std:float = 0.02
-    loss_chunk:int = 1024           # tokens per chunk of the fused cross-entropy; 0 = one plain pass
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    loss_chunk: int = 1024  # tokens per chunk of the fused cross-entropy; 0 = one plain pass
 
     @property
-    def dense_d_ff(self) -> int: return self.d_ff or (self.top_k + self.n_shared) * self.expert_d_ff
+    def dense_d_ff(self) -> int:
+        return self.d_ff or (self.top_k + self.n_shared) * self.expert_d_ff
+
     @property
-    def recurrent(self) -> bool: return self.n_core > 0
+    def recurrent(self) -> bool:
+        return self.n_core > 0
+
     @property
-    def n_moe_layers(self) -> int: return max(0, self.n_layers - self.n_dense_layers) if self.n_routed else 0
+    def n_moe_layers(self) -> int:
+        return max(0, self.n_layers - self.n_dense_layers) if self.n_routed else 0
 
 # %% ../nbs/01_config.ipynb #70987437
 @dataclass
 class DataConfig:
     "Where documents come from and how they become batches."
-    source:str = 'stdlib'           # stdlib | mock | files | hub
-    path:str = ''                   # file path or glob (files), dataset name (hub)
-    subset:str = ''                 # hub config, e.g. sample-10BT
-    revision:str = ''               # hub revision (branch, tag or commit); a commit pins the data for the fingerprint
-    split:str = 'train'
-    text_field:str = 'text'
-    codec:str = 'bytes'             # bytes | tokenizer
-    tokenizer:str = ''              # path to a tokenizer.json when codec = tokenizer
-    max_bytes:int = 8192            # a document is truncated to this many bytes; 0 = whole documents
-    heldout_frac:float = 0.05       # documents held out for validation, chosen by hash (stdlib: 36 files; 1% was 3)
-    doc_mask:bool = True            # emit doc_ids so attention stays inside a document
-    num_workers:int = 0
-    sources:dict = _dict()          # named sources for the curriculum: name -> {source, path, ...}
-    phases:list = _list()           # curriculum: [{until: 0.3, mix: {name: weight}}, ...]; empty = one phase
-    bp_fixed_frac:float = 0.3       # fraction of training with the fixed-rate boundary mode
+
+    source: str = "stdlib"  # stdlib | mock | files | hub
+    path: str = ""  # file path or glob (files), dataset name (hub)
+    subset: str = ""  # hub config, e.g. sample-10BT
+    revision: str = ""  # hub revision (branch, tag or commit); a commit pins the data for the fingerprint
+    split: str = "train"
+    text_field: str = "text"
+    codec: str = "bytes"  # bytes | tokenizer
+    tokenizer: str = ""  # path to a tokenizer.json when codec = tokenizer
+    max_bytes: int = 8192  # a document is truncated to this many bytes; 0 = whole documents
+    heldout_frac: float = 0.05  # documents held out for validation, chosen by hash (stdlib: 36 files; 1% was 3)
+    doc_mask: bool = True  # emit doc_ids so attention stays inside a document
+    num_workers: int = 0
+    sources: dict = _dict()  # named sources for the curriculum: name -> {source, path, ...}
+    phases: list = _list()  # curriculum: [{until: 0.3, mix: {name: weight}}, ...]; empty = one phase
+    bp_fixed_frac: float = 0.3  # fraction of training with the fixed-rate boundary mode
+
 
 @dataclass
 class TrainConfig:
     "The loop: batch, schedule, precision, evaluation and checkpoint cadence."
-    seq_len:int = 256
-    batch_size:int = 16
-    grad_accum:int = 1
-    lr:float = 1e-3
-    min_lr:float = 1e-4
-    warmup_steps:int = 30
-    max_steps:int = 1600
-    weight_decay:float = 0.1
-    grad_clip:float = 1.0
-    precision:str = 'auto'          # auto | bf16 | fp16 | fp32 | fp8 | mxfp8 | nvfp4
-    fp8_recipe:str = 'rowwise'      # torchao float8 scaling for fp8: rowwise | tensorwise | rowwise_with_gw_hp
-    seed:int = 0
-    device:str = cosmetic('auto')
-    parallel:str = 'ddp'            # ddp | fsdp (under torchrun)
-    compile:bool = False
-    max_nonfinite:int = 5           # consecutive skipped steps before the run stops
-    eval_batches:int = 48           # held-out batches per evaluation (tiny-cpu: all 47 of the stdlib held-out split)
-    eval_at_start:bool = False      # also evaluate before the first step (SFT: the source checkpoint)
-    checkpoint_every:int = cosmetic(400)
-    eval_every:int = cosmetic(400)
-    log_every:int = cosmetic(10)
-    keep_last:int = cosmetic(3)
-    out_dir:str = cosmetic('runs')
-    persistent_dir:str = cosmetic('')   # checkpoints go here too when set (a persistent volume)
-    run_name:str = cosmetic('')
-    background_save:bool = cosmetic(False)
-    tensorboard:bool = cosmetic(False)
-    wandb:bool = cosmetic(False)
+
+    seq_len: int = 256
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 30
+    max_steps: int = 1600
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    precision: str = "auto"  # auto | bf16 | fp16 | fp32 | fp8 | mxfp8 | nvfp4
+    fp8_recipe: str = "rowwise"  # torchao float8 scaling for fp8: rowwise | tensorwise | rowwise_with_gw_hp
+    seed: int = 0
+    device: str = cosmetic("auto")
+    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    compile: bool = False
+    max_nonfinite: int = 5  # consecutive skipped steps before the run stops
+    eval_batches: int = 48  # held-out batches per evaluation (tiny-cpu: all 47 of the stdlib held-out split)
+    eval_at_start: bool = False  # also evaluate before the first step (SFT: the source checkpoint)
+    checkpoint_every: int = cosmetic(400)
+    eval_every: int = cosmetic(400)
+    log_every: int = cosmetic(10)
+    keep_last: int = cosmetic(3)
+    out_dir: str = cosmetic("runs")
+    persistent_dir: str = cosmetic("")  # checkpoints go here too when set (a persistent volume)
+    run_name: str = cosmetic("")
+    background_save: bool = cosmetic(False)
+    tensorboard: bool = cosmetic(False)
+    wandb: bool = cosmetic(False)
+
 
 @dataclass
 class OptimConfig:
     "AdamW and its parameter groups."
-    name:str = 'adamw'              # adamw | adamw8bit
-    betas:list = _list(0.9, 0.95)
-    eps:float = 1e-8
-    decay_all:bool = False          # False: no weight decay on norms, biases and embeddings
-    lr_mult:dict = _dict(boundary=0.1, memory=5.0)  # parameter-name substring -> learning-rate multiplier
-    clip_groups:dict = _dict(experts=0.5)           # parameter-name substring -> tighter gradient clip
-    bp_freeze_steps:int = -1        # steps with the boundary predictor frozen; -1 = warmup_steps
+
+    name: str = "adamw"  # adamw | adamw8bit
+    betas: list = _list(0.9, 0.95)
+    eps: float = 1e-8
+    decay_all: bool = False  # False: no weight decay on norms, biases and embeddings
+    lr_mult: dict = _dict(boundary=0.1, memory=5.0)  # parameter-name substring -> learning-rate multiplier
+    clip_groups: dict = _dict(experts=0.5)  # parameter-name substring -> tighter gradient clip
+    bp_freeze_steps: int = -1  # steps with the boundary predictor frozen; -1 = warmup_steps
+
 
 @dataclass
 class StageConfig:
     "Which release stage this run is, and what it starts from."
-    name:str = 'pretrain'           # pretrain | refinement | sft
-    source_stage:str = ''           # the stage of the checkpoint given to --init
-    init:str = ''                   # weights-only start
+
+    name: str = "pretrain"  # pretrain | refinement | sft
+    source_stage: str = ""  # the stage of the checkpoint given to --init
+    init: str = ""  # weights-only start
+
 
 @dataclass
 class MonitorConfig:
     "Thresholds of the health checks and the verification gate."
-    drift_ratio:float = cosmetic(10.0)
-    min_entropy:float = cosmetic(1.0)
-    collapse_frac:float = cosmetic(0.5)
-    max_load_ratio:float = cosmetic(2.0)
-    max_overlap:float = cosmetic(0.3)
-    max_grad_norm:float = cosmetic(10.0)
-    min_mfu:float = cosmetic(0.7)
-    gate_steps:int = cosmetic(100)
-    bp_rate_tol:float = cosmetic(0.1)
-    slow_mfu:float = cosmetic(0.5)          # warn when MFU falls under this (seed 000: under 50% GPU use)
-    min_tok_per_s:float = cosmetic(0.0)     # warn when tokens/s falls under this; 0 = off (CPU runs have no MFU)
-    max_token_corr:float = cosmetic(0.95)   # recurrent collapse: token states this correlated are near-identical
-    overfit_patience:int = cosmetic(2)      # consecutive validation rises (training loss falling) before warning
+
+    drift_ratio: float = cosmetic(10.0)
+    min_entropy: float = cosmetic(1.0)
+    collapse_frac: float = cosmetic(0.5)
+    max_load_ratio: float = cosmetic(2.0)
+    max_overlap: float = cosmetic(0.3)
+    max_grad_norm: float = cosmetic(10.0)
+    min_mfu: float = cosmetic(0.7)
+    gate_steps: int = cosmetic(100)
+    bp_rate_tol: float = cosmetic(0.1)
+    slow_mfu: float = cosmetic(0.5)  # warn when MFU falls under this (seed 000: under 50% GPU use)
+    min_tok_per_s: float = cosmetic(0.0)  # warn when tokens/s falls under this; 0 = off (CPU runs have no MFU)
+    max_token_corr: float = cosmetic(0.95)  # recurrent collapse: token states this correlated are near-identical
+    overfit_patience: int = cosmetic(2)  # consecutive validation rises (training loss falling) before warning
+
 
 @dataclass
 class SFTConfig:
     "Supervised fine-tuning: data, loss mask, epochs and LoRA."
-    data:str = ''                   # local jsonl or hub name; empty = the embedded stdlib docstring Q&A
-    mask:str = 'final'              # final | all (assistant turns that carry loss)
-    drop_long:bool = False          # drop (and count) over-length examples instead of failing
-    heldout_frac:float = 0.05       # examples held out (chosen by hash) for the matched evaluation at every epoch
-    max_train_examples:int = 0      # 0 = every training example; N keeps the first N (quick runs; the held-out set stays whole)
-    chat_template:str = ''          # '' = the codec's role and end-of-turn specials; a .jinja file or tokenizer_config.json
-    epochs:int = 3
-    lr:float = 2e-5                 # SFT's peak learning rate (training.lr is set from it)
-    min_lr:float = 0.0              # where the one cosine across all epochs ends
-    warmup_frac:float = 0.03        # warmup as a fraction of all SFT steps
-    lora_rank:int = 0               # 0 = full-parameter
-    lora_alpha:float = 16.0
-    lora_dropout:float = 0.0
-    lora_targets:list = _list('wq', 'wk', 'wv', 'wo')
+
+    data: str = ""  # local jsonl or hub name; empty = the embedded stdlib docstring Q&A
+    mask: str = "final"  # final | all (assistant turns that carry loss)
+    drop_long: bool = False  # drop (and count) over-length examples instead of failing
+    heldout_frac: float = 0.05  # examples held out (chosen by hash) for the matched evaluation at every epoch
+    max_train_examples: int = (
+        0  # 0 = every training example; N keeps the first N (quick runs; the held-out set stays whole)
+    )
+    chat_template: str = ""  # '' = the codec's role and end-of-turn specials; a .jinja file or tokenizer_config.json
+    epochs: int = 3
+    lr: float = 2e-5  # SFT's peak learning rate (training.lr is set from it)
+    min_lr: float = 0.0  # where the one cosine across all epochs ends
+    warmup_frac: float = 0.03  # warmup as a fraction of all SFT steps
+    lora_rank: int = 0  # 0 = full-parameter
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list = _list("wq", "wk", "wv", "wo")
 
 # %% ../nbs/01_config.ipynb #8964df6d
 @dataclass
 class Config:
     "A whole run: one section per concern."
-    model:ModelConfig = field(default_factory=ModelConfig)
-    data:DataConfig = field(default_factory=DataConfig)
-    training:TrainConfig = field(default_factory=TrainConfig)
-    optim:OptimConfig = field(default_factory=OptimConfig)
-    stage:StageConfig = field(default_factory=StageConfig)
-    monitor:MonitorConfig = field(default_factory=MonitorConfig)
-    sft:SFTConfig = field(default_factory=SFTConfig)
 
-    def to_dict(self) -> dict: return asdict(self)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    stage: StageConfig = field(default_factory=StageConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 # %% ../nbs/01_config.ipynb #131496a9
 class ConfigError(ValueError):
     "A config that cannot be used; the message names the key(s) and what to do."
 
+
 _SECTIONS = {f.name: f.type for f in fields(Config)}
 
-def _type_name(t) -> str: return getattr(t, '__name__', str(t))
 
-def _coerce(value, typ, key:str):
+def _type_name(t) -> str:
+    return getattr(t, "__name__", str(t))
+
+
+def _coerce(value, typ, key: str):
     "Return `value` as `typ`, or raise a `ConfigError` naming `key` and the expected type."
-    def bad(): return ConfigError(f"{key}: expected {_type_name(typ)}, got {type(value).__name__} {value!r}")
+
+    def bad():
+        return ConfigError(f"{key}: expected {_type_name(typ)}, got {type(value).__name__} {value!r}")
+
     if typ is bool:
-        if isinstance(value, bool): return value
-        if isinstance(value, str) and value.lower() in ('true', 'false', 'yes', 'no', '1', '0'):
-            return value.lower() in ('true', 'yes', '1')
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
         raise bad()
     if typ is int:
-        if isinstance(value, bool): raise bad()
-        if isinstance(value, int): return value
-        if isinstance(value, float) and value.is_integer(): return int(value)
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
         if isinstance(value, str):
-            try: return int(value)
-            except ValueError: pass
+            try:
+                return int(value)
+            except ValueError:
+                pass
         raise bad()
     if typ is float:
-        if isinstance(value, bool): raise bad()
-        if isinstance(value, (int, float)): return float(value)
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            return float(value)
         if isinstance(value, str):
-            try: return float(value)
-            except ValueError: pass
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise bad()
     if typ is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool): return str(value)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
         raise bad()
     if typ in (list, dict):
-        if isinstance(value, typ): return value
-        if typ is list and isinstance(value, tuple): return list(value)
+        if isinstance(value, typ):
+            return value
+        if typ is list and isinstance(value, tuple):
+            return list(value)
         raise bad()
     raise ConfigError(f"{key}: unsupported field type {typ}")
 
 # %% ../nbs/01_config.ipynb #a48f9552
-def _closest(name:str, options, prefix:str='') -> str:
+def _closest(name: str, options, prefix: str = "") -> str:
     near = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
     return f": did you mean '{prefix}{near[0]}'?" if near else f"; valid keys: {', '.join(options)}"
 
-def _build_section(cls, d:dict, section:str):
-    if not isinstance(d, dict): raise ConfigError(f"{section}: expected a mapping of keys, got {type(d).__name__}")
+
+def _build_section(cls, d: dict, section: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{section}: expected a mapping of keys, got {type(d).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
     kw = {}
     for k, v in d.items():
-        if k not in names: raise ConfigError(f"unknown key '{section}.{k}'{_closest(k, names, section + '.')}")
-        kw[k] = _coerce(v, hints[k], f'{section}.{k}')
+        if k not in names:
+            raise ConfigError(f"unknown key '{section}.{k}'{_closest(k, names, section + '.')}")
+        kw[k] = _coerce(v, hints[k], f"{section}.{k}")
     return cls(**kw)
 
-def config_from_dict(d:dict|None) -> Config:
+
+def config_from_dict(d: dict | None) -> Config:
     "Build and validate a `Config` from nested dicts (missing keys take their defaults)."
     d = d or {}
-    if not isinstance(d, dict): raise ConfigError(f"a config is a mapping of sections, got {type(d).__name__}")
+    if not isinstance(d, dict):
+        raise ConfigError(f"a config is a mapping of sections, got {type(d).__name__}")
     for s in d:
-        if s not in _SECTIONS: raise ConfigError(f"unknown section '{s}'{_closest(s, _SECTIONS)}")
+        if s not in _SECTIONS:
+            raise ConfigError(f"unknown section '{s}'{_closest(s, _SECTIONS)}")
     cfg = Config(**{s: _build_section(_SECTIONS[s], {} if d.get(s) is None else d[s], s) for s in _SECTIONS})
     validate(cfg)
     return cfg
 
 # %% ../nbs/01_config.ipynb #2e2a71fb
 _CHOICES = {
-    'model.router_score': ('softmax', 'sigmoid'), 'model.moe_impl': ('auto', 'grouped', 'bmm', 'loop'),
-    'model.bp_mode': ('causal_fixed', 'adaptive', 'topk'), 'model.bp_loss': ('bce_binomial', 'hinge'),
-    'data.source': ('stdlib', 'mock', 'files', 'hub'), 'data.codec': ('bytes', 'tokenizer'),
-    'training.precision': ('auto', 'bf16', 'fp16', 'fp32', 'fp8', 'mxfp8', 'nvfp4'),
-    'training.fp8_recipe': ('rowwise', 'tensorwise', 'rowwise_with_gw_hp'),
-    'training.parallel': ('ddp', 'fsdp'), 'optim.name': ('adamw', 'adamw8bit'),
-    'stage.name': ('pretrain', 'refinement', 'sft'), 'stage.source_stage': ('', 'pretrain', 'refinement', 'sft'),
-    'sft.mask': ('final', 'all'),
+    "model.router_score": ("softmax", "sigmoid"),
+    "model.moe_impl": ("auto", "grouped", "bmm", "loop"),
+    "model.bp_mode": ("causal_fixed", "adaptive", "topk"),
+    "model.bp_loss": ("bce_binomial", "hinge"),
+    "data.source": ("stdlib", "mock", "files", "hub"),
+    "data.codec": ("bytes", "tokenizer"),
+    "training.precision": ("auto", "bf16", "fp16", "fp32", "fp8", "mxfp8", "nvfp4"),
+    "training.fp8_recipe": ("rowwise", "tensorwise", "rowwise_with_gw_hp"),
+    "training.parallel": ("ddp", "fsdp"),
+    "optim.name": ("adamw", "adamw8bit"),
+    "stage.name": ("pretrain", "refinement", "sft"),
+    "stage.source_stage": ("", "pretrain", "refinement", "sft"),
+    "sft.mask": ("final", "all"),
 }
 
-def _get(cfg, key:str):
-    s, k = key.split('.')
+
+def _get(cfg, key: str):
+    s, k = key.split(".")
     return getattr(getattr(cfg, s), k)
 
-def validate(cfg:Config) -> Config:
+
+def validate(cfg: Config) -> Config:
     "Raise a `ConfigError` naming the fields of the first impossible combination found."
     for key, opts in _CHOICES.items():
-        if _get(cfg, key) not in opts: raise ConfigError(f"{key} = {_get(cfg, key)!r}: choose one of {', '.join(map(repr, opts))}")
+        if _get(cfg, key) not in opts:
+            raise ConfigError(f"{key} = {_get(cfg, key)!r}: choose one of {', '.join(map(repr, opts))}")
     m, t = cfg.model, cfg.training
     checks = [
-        (m.n_heads % m.n_kv_heads == 0, f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})"),
-        (m.n_routed == 0 or 1 <= m.top_k <= m.n_routed, f"model.top_k ({m.top_k}) must be between 1 and model.n_routed ({m.n_routed})"),
-        (0 <= m.n_pop_a < max(m.n_routed, 1), f"model.n_pop_a ({m.n_pop_a}) must be below model.n_routed ({m.n_routed}) so both populations have experts"),
-        (not m.recurrent or m.n_prelude + m.n_core + m.n_coda == m.n_layers,
-         f"model.n_prelude + model.n_core + model.n_coda ({m.n_prelude} + {m.n_core} + {m.n_coda}) must equal model.n_layers ({m.n_layers})"),
+        (
+            m.n_heads % m.n_kv_heads == 0,
+            f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
+        ),
+        (
+            m.n_routed == 0 or 1 <= m.top_k <= m.n_routed,
+            f"model.top_k ({m.top_k}) must be between 1 and model.n_routed ({m.n_routed})",
+        ),
+        (
+            0 <= m.n_pop_a < max(m.n_routed, 1),
+            f"model.n_pop_a ({m.n_pop_a}) must be below model.n_routed ({m.n_routed}) so both populations have experts",
+        ),
+        (
+            not m.recurrent or m.n_prelude + m.n_core + m.n_coda == m.n_layers,
+            f"model.n_prelude + model.n_core + model.n_coda ({m.n_prelude} + {m.n_core} + {m.n_coda}) must equal model.n_layers ({m.n_layers})",
+        ),
         (m.n_loops >= 1, f"model.n_loops ({m.n_loops}) must be at least 1"),
-        (m.backprop_loops <= m.n_loops, f"model.backprop_loops ({m.backprop_loops}) cannot exceed model.n_loops ({m.n_loops})"),
+        (
+            m.backprop_loops <= m.n_loops,
+            f"model.backprop_loops ({m.backprop_loops}) cannot exceed model.n_loops ({m.n_loops})",
+        ),
         (0 < m.bp_rate < 1, f"model.bp_rate ({m.bp_rate}) must lie strictly between 0 and 1"),
         (m.bp_temperature > 0, f"model.bp_temperature ({m.bp_temperature}) must be positive"),
-        (0 <= m.bp_threshold_momentum < 1, f"model.bp_threshold_momentum ({m.bp_threshold_momentum}) must lie in [0, 1)"),
+        (
+            0 <= m.bp_threshold_momentum < 1,
+            f"model.bp_threshold_momentum ({m.bp_threshold_momentum}) must lie in [0, 1)",
+        ),
         (m.bp_hinge_sigmas >= 0, f"model.bp_hinge_sigmas ({m.bp_hinge_sigmas}) cannot be negative"),
-        (not m.boundary or m.vocab == 272, f"model.boundary needs the byte vocabulary: model.vocab is {m.vocab}, expected 272"),
+        (
+            not m.boundary or m.vocab == 272,
+            f"model.boundary needs the byte vocabulary: model.vocab is {m.vocab}, expected 272",
+        ),
         (m.head_dim % 2 == 0, f"model.head_dim ({m.head_dim}) must be even for RoPE"),
         (t.seq_len >= 2, f"training.seq_len ({t.seq_len}) must be at least 2 (one input and one target)"),
-        (t.warmup_steps < t.max_steps, f"training.warmup_steps ({t.warmup_steps}) must be below training.max_steps ({t.max_steps})"),
+        (
+            t.warmup_steps < t.max_steps,
+            f"training.warmup_steps ({t.warmup_steps}) must be below training.max_steps ({t.max_steps})",
+        ),
         (t.min_lr <= t.lr, f"training.min_lr ({t.min_lr}) cannot exceed training.lr ({t.lr})"),
-        (t.batch_size >= 1 and t.grad_accum >= 1, f"training.batch_size ({t.batch_size}) and training.grad_accum ({t.grad_accum}) must be at least 1"),
-        (cfg.data.max_bytes >= 0, f"data.max_bytes ({cfg.data.max_bytes}) cannot be negative (0 keeps whole documents)"),
+        (
+            t.batch_size >= 1 and t.grad_accum >= 1,
+            f"training.batch_size ({t.batch_size}) and training.grad_accum ({t.grad_accum}) must be at least 1",
+        ),
+        (
+            cfg.data.max_bytes >= 0,
+            f"data.max_bytes ({cfg.data.max_bytes}) cannot be negative (0 keeps whole documents)",
+        ),
         (0 <= cfg.data.heldout_frac < 1, f"data.heldout_frac ({cfg.data.heldout_frac}) must lie in [0, 1)"),
         (0 <= cfg.data.bp_fixed_frac <= 1, f"data.bp_fixed_frac ({cfg.data.bp_fixed_frac}) must lie in [0, 1]"),
         (cfg.data.num_workers >= 0, f"data.num_workers ({cfg.data.num_workers}) cannot be negative"),
         (len(cfg.optim.betas) == 2, f"optim.betas must hold two numbers, got {cfg.optim.betas}"),
-        (0 < cfg.monitor.max_token_corr <= 1, f"monitor.max_token_corr ({cfg.monitor.max_token_corr}) must lie in (0, 1]"),
-        (cfg.monitor.overfit_patience >= 1 and cfg.monitor.gate_steps >= 1,
-         f"monitor.overfit_patience ({cfg.monitor.overfit_patience}) and monitor.gate_steps ({cfg.monitor.gate_steps}) must be at least 1"),
+        (
+            0 < cfg.monitor.max_token_corr <= 1,
+            f"monitor.max_token_corr ({cfg.monitor.max_token_corr}) must lie in (0, 1]",
+        ),
+        (
+            cfg.monitor.overfit_patience >= 1 and cfg.monitor.gate_steps >= 1,
+            f"monitor.overfit_patience ({cfg.monitor.overfit_patience}) and monitor.gate_steps ({cfg.monitor.gate_steps}) must be at least 1",
+        ),
         (cfg.sft.epochs >= 1, f"sft.epochs ({cfg.sft.epochs}) must be at least 1"),
-        (0 < cfg.sft.heldout_frac < 1, f"sft.heldout_frac ({cfg.sft.heldout_frac}) must lie in (0, 1): SFT evaluates on its held-out examples"),
-        (cfg.sft.max_train_examples >= 0, f"sft.max_train_examples ({cfg.sft.max_train_examples}) cannot be negative (0 keeps them all)"),
-        (0 <= cfg.sft.min_lr <= cfg.sft.lr and cfg.sft.lr > 0, f"sft.lr ({cfg.sft.lr}) must be positive and sft.min_lr ({cfg.sft.min_lr}) in [0, sft.lr]"),
+        (
+            0 < cfg.sft.heldout_frac < 1,
+            f"sft.heldout_frac ({cfg.sft.heldout_frac}) must lie in (0, 1): SFT evaluates on its held-out examples",
+        ),
+        (
+            cfg.sft.max_train_examples >= 0,
+            f"sft.max_train_examples ({cfg.sft.max_train_examples}) cannot be negative (0 keeps them all)",
+        ),
+        (
+            0 <= cfg.sft.min_lr <= cfg.sft.lr and cfg.sft.lr > 0,
+            f"sft.lr ({cfg.sft.lr}) must be positive and sft.min_lr ({cfg.sft.min_lr}) in [0, sft.lr]",
+        ),
         (0 <= cfg.sft.warmup_frac < 1, f"sft.warmup_frac ({cfg.sft.warmup_frac}) must lie in [0, 1)"),
         (cfg.sft.lora_rank >= 0, f"sft.lora_rank ({cfg.sft.lora_rank}) cannot be negative (0 = full-parameter)"),
-        (cfg.sft.lora_alpha > 0 and 0 <= cfg.sft.lora_dropout < 1,
-         f"sft.lora_alpha ({cfg.sft.lora_alpha}) must be positive and sft.lora_dropout ({cfg.sft.lora_dropout}) in [0, 1)"),
-        (not cfg.sft.lora_rank or len(cfg.sft.lora_targets) > 0, "sft.lora_targets is empty: name the linear layers LoRA adapts (e.g. [wq, wv])"),
+        (
+            cfg.sft.lora_alpha > 0 and 0 <= cfg.sft.lora_dropout < 1,
+            f"sft.lora_alpha ({cfg.sft.lora_alpha}) must be positive and sft.lora_dropout ({cfg.sft.lora_dropout}) in [0, 1)",
+        ),
+        (
+            not cfg.sft.lora_rank or len(cfg.sft.lora_targets) > 0,
+            "sft.lora_targets is empty: name the linear layers LoRA adapts (e.g. [wq, wv])",
+        ),
     ]
     for ok, msg in checks:
-        if not ok: raise ConfigError(msg)
+        if not ok:
+            raise ConfigError(msg)
     return cfg
 
 # %% ../nbs/01_config.ipynb #5ed099d2
-def apply_overrides(d:dict, overrides) -> dict:
+def apply_overrides(d: dict, overrides) -> dict:
     "Return a copy of the nested dict `d` with each `section.key=value` override applied."
     d = {s: dict(v or {}) for s, v in (d or {}).items()}
     for o in overrides or ():
-        if '=' not in o or '.' not in o.split('=', 1)[0]:
+        if "=" not in o or "." not in o.split("=", 1)[0]:
             raise ConfigError(f"override '{o}' is not of the form section.key=value (e.g. model.top_k=4)")
-        key, val = o.split('=', 1)
-        section, name = key.strip().split('.', 1)
-        d.setdefault(section, {})[name] = yaml.safe_load(val) if val.strip() else ''
+        key, val = o.split("=", 1)
+        section, name = key.strip().split(".", 1)
+        d.setdefault(section, {})[name] = yaml.safe_load(val) if val.strip() else ""
     return d
 
 # %% ../nbs/01_config.ipynb #0f549bce
@@ -353,40 +466,46 @@ def load_config(path=None, overrides=()) -> Config:
     d = {}
     if path is not None:
         p = Path(path)
-        if not p.exists(): raise ConfigError(f"config file '{p}' does not exist; presets live in examples/configs/")
+        if not p.exists():
+            raise ConfigError(f"config file '{p}' does not exist; presets live in examples/configs/")
         d = yaml.safe_load(p.read_text()) or {}
     return config_from_dict(apply_overrides(d, overrides))
 
-def save_config(cfg:Config, path):
+
+def save_config(cfg: Config, path):
     "Write the resolved config as YAML."
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 # %% ../nbs/01_config.ipynb #ef607679
-def _flat(cfg:Config, critical_only:bool) -> dict:
+def _flat(cfg: Config, critical_only: bool) -> dict:
     out = {}
     for s in fields(cfg):
         sec = getattr(cfg, s.name)
         for f in fields(sec):
-            if critical_only and f.metadata.get('cosmetic'): continue
-            out[f'{s.name}.{f.name}'] = getattr(sec, f.name)
+            if critical_only and f.metadata.get("cosmetic"):
+                continue
+            out[f"{s.name}.{f.name}"] = getattr(sec, f.name)
     return out
 
-def critical_dict(cfg:Config) -> dict:
+
+def critical_dict(cfg: Config) -> dict:
     "The training-critical fields, flattened to `section.key`."
     return _flat(cfg, True)
 
-def config_hash(cfg:Config) -> str:
+
+def config_hash(cfg: Config) -> str:
     "A 16-hex-digit hash of the training-critical fields (key order and cosmetic fields ignored)."
     blob = json.dumps(critical_dict(cfg), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-def critical_diff(a:Config, b:Config) -> list:
+
+def critical_diff(a: Config, b: Config) -> list:
     "Training-critical keys whose values differ between `a` and `b`."
     da, db = critical_dict(a), critical_dict(b)
     return sorted(k for k in da if da[k] != db[k])
 
 # %% ../nbs/01_config.ipynb #e57ce2d1
-def _block_params(m:ModelConfig, moe:bool) -> tuple:
+def _block_params(m: ModelConfig, moe: bool) -> tuple:
     "(total, active) parameters of one transformer block."
     attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
     norms = 2 * m.d_model
@@ -398,55 +517,73 @@ def _block_params(m:ModelConfig, moe:bool) -> tuple:
     shared = m.n_shared * expert
     return attn + norms + router + shared + m.n_routed * expert, attn + norms + router + shared + m.top_k * expert
 
-def param_counts(m:ModelConfig) -> dict:
+
+def param_counts(m: ModelConfig) -> dict:
     "Total and per-token active parameters, with and without the embedding and head."
     blocks = [_block_params(m, m.n_routed > 0 and i >= m.n_dense_layers) for i in range(m.n_layers)]
     total, active = sum(b[0] for b in blocks), sum(b[1] for b in blocks)
-    if m.recurrent: total += 2 * m.d_model * m.d_model; active += 2 * m.d_model * m.d_model   # input injection
+    if m.recurrent:
+        total += 2 * m.d_model * m.d_model
+        active += 2 * m.d_model * m.d_model  # input injection
     if m.boundary:
         byte = 2 * m.n_byte_layers * _block_params(m, False)[0]
-        bp = m.d_model * m.d_model + m.d_model + m.d_model + 1 + m.d_model   # MLP d->d->1 and the null segment
-        total += byte + bp; active += byte + bp
+        bp = m.d_model * m.d_model + m.d_model + m.d_model + 1 + m.d_model  # MLP d->d->1 and the null segment
+        total += byte + bp
+        active += byte + bp
     embed = m.vocab * m.d_model
     head = 0 if m.tie_embeddings else m.vocab * m.d_model
-    total += m.d_model; active += m.d_model   # final norm
+    total += m.d_model
+    active += m.d_model  # final norm
     # every token's logits use the whole output matrix (the tied embedding or the head); the input lookup is free
-    return dict(total=total + embed + head, active=active + m.vocab * m.d_model,
-                non_embedding=total, active_non_embedding=active)
+    return dict(
+        total=total + embed + head,
+        active=active + m.vocab * m.d_model,
+        non_embedding=total,
+        active_non_embedding=active,
+    )
 
 # %% ../nbs/01_config.ipynb #12eae808
-def flops_per_token(m:ModelConfig, seq_len:int) -> float:
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     "Training FLOPs per token (forward + backward): 6 x active matmul parameters plus attention (PaLM's estimate)."
     pc = param_counts(m)
     loops = m.n_loops if m.recurrent else 1
     core = 0
-    if m.recurrent:   # the core's blocks run n_loops times
-        core_blocks = [_block_params(m, m.n_routed > 0 and i >= m.n_dense_layers)[1] for i in range(m.n_prelude, m.n_prelude + m.n_core)]
+    if m.recurrent:  # the core's blocks run n_loops times
+        core_blocks = [
+            _block_params(m, m.n_routed > 0 and i >= m.n_dense_layers)[1]
+            for i in range(m.n_prelude, m.n_prelude + m.n_core)
+        ]
         core = (loops - 1) * sum(core_blocks)
     attn_layers = m.n_layers + (loops - 1) * m.n_core
     main_len = seq_len * (m.bp_rate if m.boundary else 1)
     attn = 12 * attn_layers * m.n_heads * m.head_dim * main_len
-    if m.boundary: attn += 12 * 2 * m.n_byte_layers * m.n_heads * m.head_dim * seq_len
-    return 6 * (pc['active_non_embedding'] + core + (m.vocab * m.d_model)) + attn
+    if m.boundary:
+        attn += 12 * 2 * m.n_byte_layers * m.n_heads * m.head_dim * seq_len
+    return 6 * (pc["active_non_embedding"] + core + (m.vocab * m.d_model)) + attn
 
 # %% ../nbs/01_config.ipynb #b6c8ed7e
-def describe(cfg:Config) -> str:
+def describe(cfg: Config) -> str:
     "The resolved config as YAML, then parameter counts, FLOPs per token and the hash."
     pc = param_counts(cfg.model)
     fpt = flops_per_token(cfg.model, cfg.training.seq_len)
-    lines = [yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
-             f"# parameters: {pc['total']:,} total, {pc['active']:,} active per token "
-             f"({pc['non_embedding']:,} / {pc['active_non_embedding']:,} without embeddings)",
-             f"# training FLOPs per token: {fpt:.3g}",
-             f"# config hash: {config_hash(cfg)}"]
-    return '\n'.join(lines)
+    lines = [
+        yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
+        f"# parameters: {pc['total']:,} total, {pc['active']:,} active per token "
+        f"({pc['non_embedding']:,} / {pc['active_non_embedding']:,} without embeddings)",
+        f"# training FLOPs per token: {fpt:.3g}",
+        f"# config hash: {config_hash(cfg)}",
+    ]
+    return "\n".join(lines)
 
-@call_parse(pos=['path'])
+
+@call_parse(pos=["path"])
 def cipher_config(
-    path:str=None,     # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)
-    *overrides:str,    # section.key=value overrides, e.g. model.top_k=4
+    path: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)
+    *overrides: str,  # section.key=value overrides, e.g. model.top_k=4
 ):
     "Print a preset's resolved config, parameter counts and hash; exit 1 with the reason if it is invalid."
-    try: cfg = load_config(path, overrides)
-    except ConfigError as e: raise CliError(f"invalid config: {e}")
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        raise CliError(f"invalid config: {e}")
     print(describe(cfg))

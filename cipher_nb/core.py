@@ -9,7 +9,8 @@ __all__ = ['seed_everything', 'rng_state', 'set_rng_state', 'resolve_device', 'a
            'dist_backend']
 
 # %% ../nbs/00_core.ipynb #648bf556
-import os, random
+import os
+import random
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 # %% ../nbs/00_core.ipynb #c3a63d19
-def seed_everything(seed:int):
+def seed_everything(seed: int):
     "Seed Python, NumPy and torch (CPU and CUDA) from one integer."
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -28,68 +29,90 @@ def rng_state() -> dict:
     "Every random stream's state as tensors and plain numbers (safe for `torch.load(weights_only=True)`)."
     version, mt, gauss = random.getstate()
     kind, key, pos, has_gauss, cached = np.random.get_state()
-    state = dict(python=dict(version=version, mt=torch.tensor(mt, dtype=torch.int64), gauss=gauss),
-                 numpy=dict(kind=kind, key=torch.from_numpy(key.astype(np.int64)), pos=int(pos),
-                            has_gauss=int(has_gauss), cached=float(cached)),
-                 torch=torch.get_rng_state())
-    if torch.cuda.is_available(): state['cuda'] = torch.cuda.get_rng_state_all()
+    state = dict(
+        python=dict(version=version, mt=torch.tensor(mt, dtype=torch.int64), gauss=gauss),
+        numpy=dict(
+            kind=kind,
+            key=torch.from_numpy(key.astype(np.int64)),
+            pos=int(pos),
+            has_gauss=int(has_gauss),
+            cached=float(cached),
+        ),
+        torch=torch.get_rng_state(),
+    )
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 # %% ../nbs/00_core.ipynb #6c8853cb
-def set_rng_state(state:dict):
+def set_rng_state(state: dict):
     "Restore the streams captured by `rng_state`."
-    p, n = state['python'], state['numpy']
-    random.setstate((p['version'], tuple(int(x) for x in p['mt'].tolist()), p['gauss']))
-    np.random.set_state((n['kind'], n['key'].numpy().astype(np.uint32), n['pos'], n['has_gauss'], n['cached']))
-    torch.set_rng_state(state['torch'])
-    if 'cuda' in state and torch.cuda.is_available(): torch.cuda.set_rng_state_all(state['cuda'])
+    p, n = state["python"], state["numpy"]
+    random.setstate((p["version"], tuple(int(x) for x in p["mt"].tolist()), p["gauss"]))
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 # %% ../nbs/00_core.ipynb #44e47371
-def resolve_device(name:str='auto') -> torch.device:
+def resolve_device(name: str = "auto") -> torch.device:
     "`'auto'` -> CUDA (this rank's GPU) when available, else CPU; otherwise the named device."
-    if name == 'auto':
-        if torch.cuda.is_available(): return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
-        return torch.device('cpu')
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
     dev = torch.device(name)
-    if dev.type == 'cuda' and not torch.cuda.is_available():
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device '{name}' asked for, but torch sees no CUDA GPU: use --device cpu or 'auto'")
     return dev
 
 # %% ../nbs/00_core.ipynb #d5bc1ec0
 _DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
 
-def autocast_dtype(device:torch.device, precision:str='auto') -> torch.dtype:
+
+def autocast_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
     "The dtype to autocast to: `auto` is bf16 on capable GPUs, fp16 on older ones, fp32 on CPU."
-    if precision == 'auto':
-        if device.type != 'cuda': return torch.float32
+    if precision == "auto":
+        if device.type != "cuda":
+            return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if precision in ('fp8', 'mxfp8', 'nvfp4'): return torch.bfloat16  # low-precision matmuls run inside bf16 autocast
-    if precision not in _DTYPES: raise ValueError(f"precision '{precision}' unknown: use one of auto, {', '.join(_DTYPES)}, fp8, mxfp8, nvfp4")
+    if precision in ("fp8", "mxfp8", "nvfp4"):
+        return torch.bfloat16  # low-precision matmuls run inside bf16 autocast
+    if precision not in _DTYPES:
+        raise ValueError(f"precision '{precision}' unknown: use one of auto, {', '.join(_DTYPES)}, fp8, mxfp8, nvfp4")
     return _DTYPES[precision]
 
 # %% ../nbs/00_core.ipynb #f2ed5053
-def autocast(device:torch.device, dtype:torch.dtype):
+def autocast(device: torch.device, dtype: torch.dtype):
     "An autocast context for `dtype` on `device`, or a no-op for fp32."
-    if dtype == torch.float32: return nullcontext()
+    if dtype == torch.float32:
+        return nullcontext()
     return torch.autocast(device.type, dtype=dtype)
 
 # %% ../nbs/00_core.ipynb #98412c32
 @dataclass(frozen=True)
 class DistEnv:
     "Who this process is in a (possibly single-process) job."
-    rank:int = 0
-    world_size:int = 1
-    local_rank:int = 0
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
     @property
-    def is_main(self) -> bool: return self.rank == 0
+    def is_main(self) -> bool:
+        return self.rank == 0
+
     @property
-    def distributed(self) -> bool: return self.world_size > 1
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
 
 def dist_env(environ=None) -> DistEnv:
     "Read RANK / WORLD_SIZE / LOCAL_RANK as `torchrun` sets them."
     e = os.environ if environ is None else environ
-    return DistEnv(int(e.get('RANK', 0)), int(e.get('WORLD_SIZE', 1)), int(e.get('LOCAL_RANK', 0)))
+    return DistEnv(int(e.get("RANK", 0)), int(e.get("WORLD_SIZE", 1)), int(e.get("LOCAL_RANK", 0)))
 
-def dist_backend(device:torch.device) -> str:
+
+def dist_backend(device: torch.device) -> str:
     "NCCL between GPUs, gloo between CPU processes."
-    return 'nccl' if device.type == 'cuda' else 'gloo'
+    return "nccl" if device.type == "cuda" else "gloo"

@@ -11,81 +11,120 @@ __all__ = ['step_boundary', 'Phase', 'parse_phases', 'Curriculum', 'build_loader
 import math
 from dataclasses import dataclass
 
-from .config import Config, ConfigError
 from . import data
+from .config import Config, ConfigError
 
 # %% ../nbs/03_curriculum.ipynb #a7a37716
-def step_boundary(frac:float, max_steps:int) -> int:
+def step_boundary(frac: float, max_steps: int) -> int:
     "The first step at or after `frac` of training (robust to float round-off)."
     return math.ceil(round(frac * max_steps, 9))
+
 
 @dataclass(frozen=True)
 class Phase:
     "One phase of the curriculum: steps [start, end) read the mixture `mix` (weights summing to 1)."
-    name:str
-    start:int
-    end:int
-    mix:dict
+
+    name: str
+    start: int
+    end: int
+    mix: dict
 
 # %% ../nbs/03_curriculum.ipynb #9d46a2d2
-def parse_phases(cfg:Config) -> list:
+def parse_phases(cfg: Config) -> list:
     "The `Phase`s of `data.phases` (or one uniform phase), validated against `data.sources`."
     names = sorted(data.source_specs(cfg.data))
-    raw = cfg.data.phases or [dict(name='all', until=1.0, mix={n: 1.0 for n in names})]
+    raw = cfg.data.phases or [dict(name="all", until=1.0, mix={n: 1.0 for n in names})]
     T, out, prev = cfg.training.max_steps, [], 0.0
     for i, p in enumerate(raw):
-        where = f'data.phases[{i}]'
-        if not isinstance(p, dict) or 'until' not in p or 'mix' not in p:
-            raise ConfigError(f"{where}: a phase is a mapping {{until: fraction of training, mix: {{source: weight}}}}, got {p!r}")
-        bad = [k for k in p if k not in ('name', 'until', 'mix')]
-        if bad: raise ConfigError(f"{where}: unknown key(s) {', '.join(bad)}; valid keys: name, until, mix")
-        until = p['until']
+        where = f"data.phases[{i}]"
+        if not isinstance(p, dict) or "until" not in p or "mix" not in p:
+            raise ConfigError(
+                f"{where}: a phase is a mapping {{until: fraction of training, mix: {{source: weight}}}}, got {p!r}"
+            )
+        bad = [k for k in p if k not in ("name", "until", "mix")]
+        if bad:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(bad)}; valid keys: name, until, mix")
+        until = p["until"]
         if not isinstance(until, (int, float)) or not prev < until <= 1:
-            raise ConfigError(f"{where}.until = {until!r}: must be a number above the previous phase's ({prev}) and at most 1")
-        mix = p['mix']
-        if not isinstance(mix, dict) or not mix: raise ConfigError(f"{where}.mix: give weights by source name, e.g. {{{names[0]}: 1.0}}")
+            raise ConfigError(
+                f"{where}.until = {until!r}: must be a number above the previous phase's ({prev}) and at most 1"
+            )
+        mix = p["mix"]
+        if not isinstance(mix, dict) or not mix:
+            raise ConfigError(f"{where}.mix: give weights by source name, e.g. {{{names[0]}: 1.0}}")
         unknown = [n for n in mix if n not in names]
-        if unknown: raise ConfigError(f"{where}.mix names unknown source(s) {', '.join(map(str, unknown))}; data.sources has: {', '.join(names)}")
+        if unknown:
+            raise ConfigError(
+                f"{where}.mix names unknown source(s) {', '.join(map(str, unknown))}; data.sources has: {', '.join(names)}"
+            )
         if any(not isinstance(w, (int, float)) or w < 0 for w in mix.values()):
             raise ConfigError(f"{where}.mix: weights must be numbers >= 0, got {mix}")
         total = sum(mix.values())
-        if total <= 0: raise ConfigError(f"{where}.mix: the weights sum to 0; give at least one source a positive weight")
+        if total <= 0:
+            raise ConfigError(f"{where}.mix: the weights sum to 0; give at least one source a positive weight")
         start = out[-1].end if out else 0
-        out.append(Phase(str(p.get('name', f'phase{i + 1}')), start, step_boundary(until, T), {n: mix[n] / total for n in sorted(mix)}))
+        out.append(
+            Phase(
+                str(p.get("name", f"phase{i + 1}")),
+                start,
+                step_boundary(until, T),
+                {n: mix[n] / total for n in sorted(mix)},
+            )
+        )
         prev = until
-    if prev != 1: raise ConfigError(f"data.phases[-1].until = {prev}: the last phase must run to the end of training (until: 1.0)")
+    if prev != 1:
+        raise ConfigError(
+            f"data.phases[-1].until = {prev}: the last phase must run to the end of training (until: 1.0)"
+        )
     return out
 
 # %% ../nbs/03_curriculum.ipynb #ecb0e898
 class Curriculum:
     "Phase, data mixture and boundary-predictor mode for each optimizer step, from `data.phases` and `data.bp_fixed_frac`."
-    def __init__(self, cfg:Config):
+
+    def __init__(self, cfg: Config):
         self.phases = parse_phases(cfg)
         self.max_steps = cfg.training.max_steps
-        self.bp_switch = step_boundary(cfg.data.bp_fixed_frac, cfg.training.max_steps)   # first adaptive step
+        self.bp_switch = step_boundary(cfg.data.bp_fixed_frac, cfg.training.max_steps)  # first adaptive step
         self._ends = [p.end for p in self.phases]
 
-    def phase(self, step:int) -> int:
+    def phase(self, step: int) -> int:
         "The index of the phase `step` belongs to."
         for i, end in enumerate(self._ends):
-            if step < end: return i
+            if step < end:
+                return i
         return len(self.phases) - 1
 
-    def mix(self, step:int) -> dict:
+    def mix(self, step: int) -> dict:
         "The mixture (source name -> probability of the next document) at `step`."
         return self.phases[self.phase(step)].mix
 
-    def bp_mode(self, step:int) -> str:
+    def bp_mode(self, step: int) -> str:
         "'causal_fixed' during the first `data.bp_fixed_frac` of training, 'adaptive' after."
-        return 'causal_fixed' if step < self.bp_switch else 'adaptive'
+        return "causal_fixed" if step < self.bp_switch else "adaptive"
 
     def table(self) -> list:
         "One row per phase: name, steps, mixture."
-        return [dict(phase=p.name, steps=f'{p.start}-{p.end - 1}', **{f'w[{n}]': round(w, 3) for n, w in p.mix.items()}) for p in self.phases]
+        return [
+            dict(phase=p.name, steps=f"{p.start}-{p.end - 1}", **{f"w[{n}]": round(w, 3) for n, w in p.mix.items()})
+            for p in self.phases
+        ]
 
-    def __repr__(self): return f'Curriculum({len(self.phases)} phases over {self.max_steps} steps, adaptive BP from step {self.bp_switch})'
+    def __repr__(self):
+        return (
+            f"Curriculum({len(self.phases)} phases over {self.max_steps} steps, adaptive BP from step {self.bp_switch})"
+        )
 
 # %% ../nbs/03_curriculum.ipynb #3f1dc5ac
-def build_loader(cfg:Config, split:str='train', rank:int=None, world_size:int=None, epochs:int=None, pin_memory:bool=False) -> data.Loader:
+def build_loader(
+    cfg: Config,
+    split: str = "train",
+    rank: int = None,
+    world_size: int = None,
+    epochs: int = None,
+    pin_memory: bool = False,
+) -> data.Loader:
     "The data loader of `cfg` with its curriculum: each document's source is drawn from the mixture of its step's phase."
-    return data.build_loader(cfg, split, rank, world_size, mix=Curriculum(cfg).mix, epochs=epochs, pin_memory=pin_memory)
+    return data.build_loader(
+        cfg, split, rank, world_size, mix=Curriculum(cfg).mix, epochs=epochs, pin_memory=pin_memory
+    )

@@ -12,54 +12,70 @@ __all__ = ['SPECIALS', 'MOCK_SCRIPTS', 'MOCK_DOCS', 'PIECE_BYTES', 'HF_ROWS', 'W
            'documents_in', 'data_manifest', 'data_fingerprint']
 
 # %% ../nbs/02_data.ipynb #3a35ef44
-import functools, glob, hashlib, json, math, os, sysconfig
-from dataclasses import dataclass, asdict, replace
+import functools
+import glob
+import hashlib
+import json
+import math
+import os
+import sysconfig
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .config import Config, ConfigError, DataConfig
 from .core import dist_env
-from .config import Config, DataConfig, ConfigError
 
 # %% ../nbs/02_data.ipynb #404f12bf
-SPECIALS = ('pad', 'bos', 'eos', 'system', 'user', 'assistant', 'eot') + tuple(f'reserved{i}' for i in range(9))
+SPECIALS = ("pad", "bos", "eos", "system", "user", "assistant", "eot") + tuple(f"reserved{i}" for i in range(9))
 
-def special_token(name:str) -> str:
+
+def special_token(name: str) -> str:
     "How a special is written in decoded text and in a tokenizer's vocabulary."
-    return f'<|{name}|>'
+    return f"<|{name}|>"
+
 
 def _as_bytes(x) -> bytes:
-    if isinstance(x, str): return x.encode('utf-8', 'surrogatepass')
-    if isinstance(x, (bytes, bytearray, memoryview)): return bytes(x)
+    if isinstance(x, str):
+        return x.encode("utf-8", "surrogatepass")
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return bytes(x)
     raise TypeError(f"encode takes str or bytes, got {type(x).__name__}")
 
+
 def _as_ids(ids) -> np.ndarray:
-    if isinstance(ids, torch.Tensor): ids = ids.detach().cpu().numpy()
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
     return np.asarray(ids, dtype=np.int64).reshape(-1)
 
 # %% ../nbs/02_data.ipynb #af19c6f8
 class ByteCodec:
     "UTF-8 bytes as ids 0-255, then 16 specials (PAD 256, BOS 257, EOS 258, SYSTEM, USER, ASSISTANT, EOT, reserved)."
+
     n_bytes = 256
     vocab_size = 256 + len(SPECIALS)
 
     def __init__(self):
-        for i, name in enumerate(SPECIALS): setattr(self, name, self.n_bytes + i)
+        for i, name in enumerate(SPECIALS):
+            setattr(self, name, self.n_bytes + i)
         self.specials = {name: self.n_bytes + i for i, name in enumerate(SPECIALS)}
-        self.byte_lengths = np.r_[np.ones(self.n_bytes, np.int64), np.zeros(len(SPECIALS), np.int64)]   # [vocab]
+        self.byte_lengths = np.r_[np.ones(self.n_bytes, np.int64), np.zeros(len(SPECIALS), np.int64)]  # [vocab]
 
     def encode(self, x) -> np.ndarray:
         "The ids of `x` (str or bytes): its UTF-8 bytes, no specials added."
         return np.frombuffer(_as_bytes(x), dtype=np.uint8).astype(np.int64)
 
-    def encode_doc(self, x, bos:bool=True, eos:bool=True) -> np.ndarray:
+    def encode_doc(self, x, bos: bool = True, eos: bool = True) -> np.ndarray:
         "`x`'s ids with BOS before and EOS after (when asked), made in one int64 array (the packer's hot path)."
         raw = np.frombuffer(_as_bytes(x), dtype=np.uint8)
         out = np.empty(len(raw) + bos + eos, np.int64)
-        out[bos:len(out) - eos] = raw
-        if bos: out[0] = self.bos
-        if eos: out[-1] = self.eos
+        out[bos : len(out) - eos] = raw
+        if bos:
+            out[0] = self.bos
+        if eos:
+            out[-1] = self.eos
         return out
 
     def decode_bytes(self, ids) -> bytes:
@@ -71,73 +87,87 @@ class ByteCodec:
         "Readable text: bytes decoded as UTF-8 (invalid ones replaced), specials written `<|name|>`."
         ids = _as_ids(ids)
         ids = ids[ids >= 0]
-        cuts = np.flatnonzero(ids >= self.n_bytes)   # positions of the specials
+        cuts = np.flatnonzero(ids >= self.n_bytes)  # positions of the specials
         out, start = [], 0
         for c in cuts:
-            out.append(ids[start:c].astype(np.uint8).tobytes().decode('utf-8', 'replace'))
+            out.append(ids[start:c].astype(np.uint8).tobytes().decode("utf-8", "replace"))
             out.append(special_token(SPECIALS[ids[c] - self.n_bytes]))
             start = c + 1
-        out.append(ids[start:].astype(np.uint8).tobytes().decode('utf-8', 'replace'))
-        return ''.join(out)
+        out.append(ids[start:].astype(np.uint8).tobytes().decode("utf-8", "replace"))
+        return "".join(out)
 
     def count_bytes(self, ids) -> int:
         "How many real bytes `ids` stand for (specials and -100 count 0): the denominator of bits-per-byte."
         ids = _as_ids(ids)
         return int(self.byte_lengths[ids[ids >= 0]].sum())
 
-    def __repr__(self): return f'ByteCodec(vocab_size={self.vocab_size})'
+    def __repr__(self):
+        return f"ByteCodec(vocab_size={self.vocab_size})"
 
 # %% ../nbs/02_data.ipynb #2e8eb8e1
 @functools.lru_cache(None)
 def byte_alphabet() -> dict:
     "The byte-level BPE table: each of the 256 bytes written as one printable character (as GPT-2 does)."
-    keep = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, extra = {}, 0
     for b in range(256):
-        if b in keep: table[b] = chr(b)
-        else: table[b] = chr(256 + extra); extra += 1
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
     return table
 
 # %% ../nbs/02_data.ipynb #835adaa4
 class TokenizerCodec:
     "A HF `tokenizers` tokenizer.json with the `ByteCodec` interface; our specials are found by name or added."
+
     def __init__(self, path):
         from tokenizers import Tokenizer
+
         path = Path(path)
-        if not path.exists(): raise FileNotFoundError(f"tokenizer '{path}' does not exist: set data.tokenizer to a tokenizer.json, or make one with train_bpe")
+        if not path.exists():
+            raise FileNotFoundError(
+                f"tokenizer '{path}' does not exist: set data.tokenizer to a tokenizer.json, or make one with train_bpe"
+            )
         self.path, self.tok = path, Tokenizer.from_file(str(path))
         missing = [special_token(n) for n in SPECIALS if self.tok.token_to_id(special_token(n)) is None]
-        if missing: self.tok.add_special_tokens(missing)
-        self.tok.encode_special_tokens = True   # text that spells '<|pad|>' stays text: only the packer places specials
+        if missing:
+            self.tok.add_special_tokens(missing)
+        self.tok.encode_special_tokens = True  # text that spells '<|pad|>' stays text: only the packer places specials
         self.specials = {n: self.tok.token_to_id(special_token(n)) for n in SPECIALS}
-        for n, i in self.specials.items(): setattr(self, n, i)
+        for n, i in self.specials.items():
+            setattr(self, n, i)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self._token_bytes = self._build_token_bytes()
-        self.byte_lengths = np.array([len(b) for b in self._token_bytes], np.int64)   # [vocab]
+        self.byte_lengths = np.array([len(b) for b in self._token_bytes], np.int64)  # [vocab]
 
     def _build_token_bytes(self) -> list:
         inv = {c: b for b, c in byte_alphabet().items()}
         special_ids = set(self.specials.values())
         out = []
         for i in range(self.vocab_size):
-            s = self.tok.id_to_token(i) or ''
-            if i in special_ids: out.append(b'')
-            elif s and all(c in inv for c in s): out.append(bytes(inv[c] for c in s))   # byte-level token
-            else: out.append(self.tok.decode([i], skip_special_tokens=False).encode())
+            s = self.tok.id_to_token(i) or ""
+            if i in special_ids:
+                out.append(b"")
+            elif s and all(c in inv for c in s):
+                out.append(bytes(inv[c] for c in s))  # byte-level token
+            else:
+                out.append(self.tok.decode([i], skip_special_tokens=False).encode())
         return out
 
     def encode(self, x) -> np.ndarray:
         "The token ids of `x`; bytes that are not valid UTF-8 are decoded with replacement first."
-        text = x if isinstance(x, str) else _as_bytes(x).decode('utf-8', 'replace')
+        text = x if isinstance(x, str) else _as_bytes(x).decode("utf-8", "replace")
         return np.array(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
-    def encode_doc(self, x, bos:bool=True, eos:bool=True) -> np.ndarray:
+    def encode_doc(self, x, bos: bool = True, eos: bool = True) -> np.ndarray:
         "`x`'s ids with BOS before and EOS after (when asked)."
         return np.concatenate([[self.bos]] * bos + [self.encode(x)] + [[self.eos]] * eos).astype(np.int64)
 
     def decode_bytes(self, ids) -> bytes:
         "The bytes the tokens stand for (specials and -100 dropped)."
-        return b''.join(self._token_bytes[i] for i in _as_ids(ids).tolist() if i >= 0)
+        return b"".join(self._token_bytes[i] for i in _as_ids(ids).tolist() if i >= 0)
 
     def decode(self, ids) -> str:
         "Readable text with specials written `<|name|>`."
@@ -148,31 +178,45 @@ class TokenizerCodec:
         ids = _as_ids(ids)
         return int(self.byte_lengths[ids[ids >= 0]].sum())
 
-    def __repr__(self): return f"TokenizerCodec('{self.path}', vocab_size={self.vocab_size})"
+    def __repr__(self):
+        return f"TokenizerCodec('{self.path}', vocab_size={self.vocab_size})"
 
 # %% ../nbs/02_data.ipynb #03a28d67
-def train_bpe(docs, vocab_size:int, path, min_frequency:int=2) -> TokenizerCodec:
+def train_bpe(docs, vocab_size: int, path, min_frequency: int = 2) -> TokenizerCodec:
     "Train a byte-level BPE tokenizer of `vocab_size` ids (specials included) on `docs` (str or bytes) and save it to `path`."
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     specials = [special_token(n) for n in SPECIALS]
-    if vocab_size < 256 + len(specials): raise ValueError(f"vocab_size ({vocab_size}) must be at least {256 + len(specials)}: 256 bytes + {len(specials)} specials")
+    if vocab_size < 256 + len(specials):
+        raise ValueError(
+            f"vocab_size ({vocab_size}) must be at least {256 + len(specials)}: 256 bytes + {len(specials)} specials"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    texts = (d if isinstance(d, str) else _as_bytes(d).decode('utf-8', 'replace') for d in docs)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = (d if isinstance(d, str) else _as_bytes(d).decode("utf-8", "replace") for d in docs)
     tok.train_from_iterator(texts, trainer)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return TokenizerCodec(path)
 
 # %% ../nbs/02_data.ipynb #29d2da3b
-def build_codec(data_cfg:DataConfig):
+def build_codec(data_cfg: DataConfig):
     "The codec `data.codec` names: `ByteCodec` or a `TokenizerCodec` over `data.tokenizer`."
-    if data_cfg.codec == 'bytes': return ByteCodec()
-    if data_cfg.codec == 'tokenizer':
-        if not data_cfg.tokenizer: raise ConfigError("data.codec is 'tokenizer' but data.tokenizer is empty: give the path of a tokenizer.json (train one with cipher_nb.data.train_bpe)")
+    if data_cfg.codec == "bytes":
+        return ByteCodec()
+    if data_cfg.codec == "tokenizer":
+        if not data_cfg.tokenizer:
+            raise ConfigError(
+                "data.codec is 'tokenizer' but data.tokenizer is empty: give the path of a tokenizer.json (train one with cipher_nb.data.train_bpe)"
+            )
         return TokenizerCodec(data_cfg.tokenizer)
     raise ConfigError(f"data.codec = {data_cfg.codec!r}: choose 'bytes' or 'tokenizer'")
 
@@ -180,69 +224,92 @@ def build_codec(data_cfg:DataConfig):
 @dataclass(frozen=True)
 class SourceSpec:
     "Where one source's documents come from."
-    name:str
-    source:str            # stdlib | mock | files | hub
-    path:str = ''         # glob / file / folder (files), dataset name or local folder (hub), scripts (mock)
-    subset:str = ''
-    split:str = 'train'
-    text_field:str = 'text'
-    revision:str = ''
 
-_KINDS = ('stdlib', 'mock', 'files', 'hub')
-MOCK_SCRIPTS = ('latin', 'cyrillic', 'telugu', 'cjk', 'code', 'math')
-MOCK_DOCS = 256   # documents per script
+    name: str
+    source: str  # stdlib | mock | files | hub
+    path: str = ""  # glob / file / folder (files), dataset name or local folder (hub), scripts (mock)
+    subset: str = ""
+    split: str = "train"
+    text_field: str = "text"
+    revision: str = ""
 
-def mock_scripts(path:str='', where:str='data.path') -> tuple:
+
+_KINDS = ("stdlib", "mock", "files", "hub")
+MOCK_SCRIPTS = ("latin", "cyrillic", "telugu", "cjk", "code", "math")
+MOCK_DOCS = 256  # documents per script
+
+
+def mock_scripts(path: str = "", where: str = "data.path") -> tuple:
     "The scripts a mock source's `path` names (all six when empty)."
-    names = tuple(s.strip() for s in path.split(',') if s.strip()) or MOCK_SCRIPTS
+    names = tuple(s.strip() for s in path.split(",") if s.strip()) or MOCK_SCRIPTS
     bad = [s for s in names if s not in MOCK_SCRIPTS]
-    if bad: raise ConfigError(f"{where}: unknown mock script(s) {', '.join(bad)}; choose from {', '.join(MOCK_SCRIPTS)}")
+    if bad:
+        raise ConfigError(f"{where}: unknown mock script(s) {', '.join(bad)}; choose from {', '.join(MOCK_SCRIPTS)}")
     return names
 
-def source_specs(data_cfg:DataConfig) -> dict:
+
+def source_specs(data_cfg: DataConfig) -> dict:
     "The run's sources by name: `data.sources`, or the top-level fields as one source `main`."
     d = data_cfg
     if not d.sources:
-        raw = {'main': dict(source=d.source, path=d.path, subset=d.subset, revision=d.revision)}
-    else: raw = d.sources
-    keys = [f for f in SourceSpec.__dataclass_fields__ if f != 'name']
+        raw = {"main": dict(source=d.source, path=d.path, subset=d.subset, revision=d.revision)}
+    else:
+        raw = d.sources
+    keys = [f for f in SourceSpec.__dataclass_fields__ if f != "name"]
     out = {}
     for name, s in raw.items():
-        where = 'data' if not d.sources else f'data.sources.{name}'
-        if not isinstance(s, dict): raise ConfigError(f"{where}: expected a mapping like {{source: hub, path: ...}}, got {s!r}")
+        where = "data" if not d.sources else f"data.sources.{name}"
+        if not isinstance(s, dict):
+            raise ConfigError(f"{where}: expected a mapping like {{source: hub, path: ...}}, got {s!r}")
         bad = [k for k in s if k not in keys]
-        if bad: raise ConfigError(f"{where}: unknown key(s) {', '.join(bad)}; valid keys: {', '.join(keys)}")
-        if 'source' not in s: raise ConfigError(f"{where}: say which kind of source it is: source: one of {', '.join(_KINDS)}")
-        spec = SourceSpec(name=str(name), **{'split': d.split, 'text_field': d.text_field,
-                                             **{k: ('' if v is None else str(v)) for k, v in s.items()}})
-        if spec.source not in _KINDS: raise ConfigError(f"{where}.source = {spec.source!r}: choose one of {', '.join(_KINDS)}")
-        if spec.source in ('files', 'hub') and not spec.path:
-            raise ConfigError(f"{where}.path is empty: a '{spec.source}' source needs a {'file, folder or glob' if spec.source == 'files' else 'dataset name'}")
-        if spec.source == 'mock': mock_scripts(spec.path, where=f'{where}.path')
+        if bad:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(bad)}; valid keys: {', '.join(keys)}")
+        if "source" not in s:
+            raise ConfigError(f"{where}: say which kind of source it is: source: one of {', '.join(_KINDS)}")
+        spec = SourceSpec(
+            name=str(name),
+            **{
+                "split": d.split,
+                "text_field": d.text_field,
+                **{k: ("" if v is None else str(v)) for k, v in s.items()},
+            },
+        )
+        if spec.source not in _KINDS:
+            raise ConfigError(f"{where}.source = {spec.source!r}: choose one of {', '.join(_KINDS)}")
+        if spec.source in ("files", "hub") and not spec.path:
+            raise ConfigError(
+                f"{where}.path is empty: a '{spec.source}' source needs a {'file, folder or glob' if spec.source == 'files' else 'dataset name'}"
+            )
+        if spec.source == "mock":
+            mock_scripts(spec.path, where=f"{where}.path")
         out[spec.name] = spec
     return out
 
 # %% ../nbs/02_data.ipynb #90f3c910
-PIECE_BYTES = 1 << 20   # a long document is read, encoded and packed this many bytes at a time
+PIECE_BYTES = 1 << 20  # a long document is read, encoded and packed this many bytes at a time
 
-def doc_hash(data:bytes) -> float:
+
+def doc_hash(data: bytes) -> float:
     "A uniform number in [0, 1) fixed by the document's first `PIECE_BYTES` bytes."
-    h = hashlib.blake2b(data[:PIECE_BYTES], digest_size=8, person=b'cipher-heldout').digest()
-    return int.from_bytes(h, 'little') / 2**64
+    h = hashlib.blake2b(data[:PIECE_BYTES], digest_size=8, person=b"cipher-heldout").digest()
+    return int.from_bytes(h, "little") / 2**64
 
-def is_heldout(data:bytes, frac:float) -> bool:
+
+def is_heldout(data: bytes, frac: float) -> bool:
     "Whether a document belongs to the held-out split."
     return doc_hash(data) < frac
 
 # %% ../nbs/02_data.ipynb #d7a04016
-_TEST_DIRS = {'test', 'tests', 'idle_test', '__pycache__', 'site-packages', 'dist-packages'}
+_TEST_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"}
+
 
 @functools.lru_cache(None)
 def stdlib_files() -> tuple:
     "The running Python's standard-library `.py` files outside test folders, sorted by relative path."
-    root = Path(sysconfig.get_paths()['stdlib'])
-    files = [p for p in root.rglob('*.py') if not (_TEST_DIRS & set(p.relative_to(root).parts[:-1]))]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not (_TEST_DIRS & set(p.relative_to(root).parts[:-1]))]
     return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
 
 @functools.lru_cache(None)
 def stdlib_docs() -> tuple:
@@ -251,58 +318,77 @@ def stdlib_docs() -> tuple:
 
 # %% ../nbs/02_data.ipynb #4edd620c
 _WORDS = dict(
-    latin='the river city book teacher sun road water wind house school reads writes sees builds large quiet old new small bright',
-    cyrillic='река город книга учитель солнце дорога вода ветер дом школа читает пишет видит строит большой тихий старый новый',
-    telugu='నది నగరం పుస్తకం గురువు సూర్యుడు దారి నీరు గాలి ఇల్లు బడి చదువుతుంది రాస్తుంది చూస్తుంది పెద్ద కొత్త పాత',
-    cjk='河流 城市 书 老师 太阳 道路 水 风 房子 学校 阅读 写 看见 建造 大 安静 旧 新')
+    latin="the river city book teacher sun road water wind house school reads writes sees builds large quiet old new small bright",
+    cyrillic="река город книга учитель солнце дорога вода ветер дом школа читает пишет видит строит большой тихий старый новый",
+    telugu="నది నగరం పుస్తకం గురువు సూర్యుడు దారి నీరు గాలి ఇల్లు బడి చదువుతుంది రాస్తుంది చూస్తుంది పెద్ద కొత్త పాత",
+    cjk="河流 城市 书 老师 太阳 道路 水 风 房子 学校 阅读 写 看见 建造 大 安静 旧 新",
+)
 
 # %% ../nbs/02_data.ipynb #b0df9969
-def _mock_doc(script:str, i:int) -> str:
+def _mock_doc(script: str, i: int) -> str:
     rng = np.random.default_rng([MOCK_SCRIPTS.index(script), i])
-    n = int(rng.integers(2, 24))   # sentences (or lines) in this document
+    n = int(rng.integers(2, 24))  # sentences (or lines) in this document
     if script in _WORDS:
-        words, sep, end = _WORDS[script].split(), ('' if script == 'cjk' else ' '), ('。' if script == 'cjk' else '.')
-        return ' '.join(sep.join(rng.choice(words, int(rng.integers(3, 12)))) + end for _ in range(n))
-    if script == 'code':
-        ops = ['+', '-', '*', '//', '%']
-        return '\n'.join(f"def f{i}_{k}(x, y):\n    return x {rng.choice(ops)} y * {int(rng.integers(1, 99))}\n" for k in range(n))
+        words, sep, end = _WORDS[script].split(), ("" if script == "cjk" else " "), ("。" if script == "cjk" else ".")
+        return " ".join(sep.join(rng.choice(words, int(rng.integers(3, 12)))) + end for _ in range(n))
+    if script == "code":
+        ops = ["+", "-", "*", "//", "%"]
+        return "\n".join(
+            f"def f{i}_{k}(x, y):\n    return x {rng.choice(ops)} y * {int(rng.integers(1, 99))}\n" for k in range(n)
+        )
     a, b = rng.integers(1, 1000, n), rng.integers(1, 1000, n)
-    return ' '.join(f"{x} + {y} = {x + y}, and {x} * {y} = {x * y}." for x, y in zip(a.tolist(), b.tolist()))
+    return " ".join(f"{x} + {y} = {x + y}, and {x} * {y} = {x * y}." for x, y in zip(a.tolist(), b.tolist()))
+
 
 @functools.lru_cache(None)
-def mock_docs(path:str='') -> tuple:
+def mock_docs(path: str = "") -> tuple:
     "The mock corpus for the scripts `path` names: `MOCK_DOCS` documents per script, as UTF-8 bytes."
     return tuple(_mock_doc(s, i).encode() for s in mock_scripts(path) for i in range(MOCK_DOCS))
 
 # %% ../nbs/02_data.ipynb #565cec6b
 def _file_kind(p) -> str:
     name = str(p).lower()
-    if name.endswith(('.jsonl', '.json', '.jsonl.gz', '.json.gz', '.jsonl.zst')): return 'json'
-    if name.endswith('.parquet'): return 'parquet'
-    return 'text'
+    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst")):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
 
-def resolve_files(path:str, where:str='data.path') -> tuple:
+
+def resolve_files(path: str, where: str = "data.path") -> tuple:
     "The sorted files a path, folder or glob names; all of one kind (json, parquet or text)."
     p = Path(path).expanduser()
-    if p.is_dir(): files = sorted(q for q in p.rglob('*') if q.is_file() and not q.name.startswith('.'))
-    elif p.is_file(): files = [p]
-    else: files = sorted(Path(q) for q in glob.glob(str(p), recursive=True) if Path(q).is_file())
-    if not files: raise FileNotFoundError(f"{where} = '{path}' matches no file: check the path or the glob pattern")
+    if p.is_dir():
+        files = sorted(q for q in p.rglob("*") if q.is_file() and not q.name.startswith("."))
+    elif p.is_file():
+        files = [p]
+    else:
+        files = sorted(Path(q) for q in glob.glob(str(p), recursive=True) if Path(q).is_file())
+    if not files:
+        raise FileNotFoundError(f"{where} = '{path}' matches no file: check the path or the glob pattern")
     kinds = sorted({_file_kind(f) for f in files})
-    if len(kinds) > 1: raise ConfigError(f"{where} = '{path}' mixes {' and '.join(kinds)} files: give each kind its own named source in data.sources")
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"{where} = '{path}' mixes {' and '.join(kinds)} files: give each kind its own named source in data.sources"
+        )
     return tuple(files)
 
-def iter_pieces(path, max_bytes:int=0, piece:int=PIECE_BYTES):
+
+def iter_pieces(path, max_bytes: int = 0, piece: int = PIECE_BYTES):
     "A text file's bytes, `piece` at a time (cut after a newline when one is near), stopping at `max_bytes` (0 = all)."
-    left, carry = max_bytes or math.inf, b''
-    with open(path, 'rb') as f:
+    left, carry = max_bytes or math.inf, b""
+    with open(path, "rb") as f:
         while left > 0:
             want = int(min(piece, left))
-            chunk, carry = carry + f.read(want - len(carry)), b''
-            if not chunk: return
-            if len(chunk) == want < left:   # more follows: end the piece after a newline, so a tokenizer sees whole lines
-                cut = chunk.rfind(b'\n', len(chunk) // 2) + 1
-                if cut: chunk, carry = chunk[:cut], chunk[cut:]
+            chunk, carry = carry + f.read(want - len(carry)), b""
+            if not chunk:
+                return
+            if (
+                len(chunk) == want < left
+            ):  # more follows: end the piece after a newline, so a tokenizer sees whole lines
+                cut = chunk.rfind(b"\n", len(chunk) // 2) + 1
+                if cut:
+                    chunk, carry = chunk[:cut], chunk[cut:]
             left -= len(chunk)
             yield chunk
 
@@ -310,91 +396,121 @@ def iter_pieces(path, max_bytes:int=0, piece:int=PIECE_BYTES):
 class DataError(ValueError):
     "Bad input data: the message names the source, what was found and what to do."
 
+
 def _seed_of(*parts) -> int:
-    return int.from_bytes(hashlib.blake2b('/'.join(map(str, parts)).encode(), digest_size=8).digest(), 'little')
+    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
+
 
 @functools.lru_cache(None)
-def _file_meta(files:tuple) -> tuple:
+def _file_meta(files: tuple) -> tuple:
     "Each file's held-out hash (of its first piece) and size, read once per process."
     out = []
     for f in files:
-        with open(f, 'rb') as fh: out.append((doc_hash(fh.read(PIECE_BYTES)), os.fstat(fh.fileno()).st_size))
+        with open(f, "rb") as fh:
+            out.append((doc_hash(fh.read(PIECE_BYTES)), os.fstat(fh.fileno()).st_size))
     return tuple(out)
 
+
 @functools.lru_cache(None)
-def _doc_hashes(docs:tuple) -> tuple: return tuple(doc_hash(d) for d in docs)
+def _doc_hashes(docs: tuple) -> tuple:
+    return tuple(doc_hash(d) for d in docs)
 
 # %% ../nbs/02_data.ipynb #419ad4d2
 class ListStream:
     "Reader `g` of `n` over a source whose documents are known up front (stdlib, mock, text files)."
-    def __init__(self, spec:SourceSpec, split:str, g:int, n:int, seed:int, heldout_frac:float, epochs=None):
+
+    def __init__(self, spec: SourceSpec, split: str, g: int, n: int, seed: int, heldout_frac: float, epochs=None):
         self.spec, self.split, self.g, self.n, self.seed, self.epochs = spec, split, g, n, seed, epochs
-        if spec.source in ('mock', 'stdlib'):   # in memory
-            self.items = mock_docs(spec.path) if spec.source == 'mock' else stdlib_docs()
+        if spec.source in ("mock", "stdlib"):  # in memory
+            self.items = mock_docs(spec.path) if spec.source == "mock" else stdlib_docs()
             hashes, self.sizes = _doc_hashes(self.items), None
-        else:   # text files, read when their turn comes
-            self.items = resolve_files(spec.path, f'source {spec.name!r} path')
+        else:  # text files, read when their turn comes
+            self.items = resolve_files(spec.path, f"source {spec.name!r} path")
             hashes, self.sizes = zip(*_file_meta(self.items))
         held = np.array(hashes) < heldout_frac
-        self.pool = np.flatnonzero(held if split == 'heldout' else ~held)   # indices of this split's documents
+        self.pool = np.flatnonzero(held if split == "heldout" else ~held)  # indices of this split's documents
         self.st = dict(epoch=0, i=0, empty=0)
         self._order = None
 
     def _epoch_order(self) -> np.ndarray:
-        if self.split == 'heldout': return self.pool[self.g::self.n]
-        perm = np.random.default_rng(_seed_of(self.seed, self.spec.name, self.st['epoch'])).permutation(self.pool)
-        return perm[self.g::self.n]
+        if self.split == "heldout":
+            return self.pool[self.g :: self.n]
+        perm = np.random.default_rng(_seed_of(self.seed, self.spec.name, self.st["epoch"])).permutation(self.pool)
+        return perm[self.g :: self.n]
 
-    def state(self) -> dict: return dict(self.st)
-    def restore(self, st:dict): self.st, self._order = dict(st), None
+    def state(self) -> dict:
+        return dict(self.st)
+
+    def restore(self, st: dict):
+        self.st, self._order = dict(st), None
 
     def next_doc(self):
         "The next document (bytes, or the Path of a text file), or None when a finite split is used up."
         while True:
-            if self._order is None: self._order = self._epoch_order()
-            if self.st['i'] >= len(self._order):
-                if self.split == 'heldout' or (self.epochs is not None and self.st['epoch'] + 1 >= self.epochs): return None
+            if self._order is None:
+                self._order = self._epoch_order()
+            if self.st["i"] >= len(self._order):
+                if self.split == "heldout" or (self.epochs is not None and self.st["epoch"] + 1 >= self.epochs):
+                    return None
                 if not len(self._order):
-                    raise DataError(f"source {self.spec.name!r}: reader {self.g} of {self.n} gets no training document "
-                                    f"({len(self.pool)} in all): use fewer ranks x data.num_workers, or more data")
-                self.st['epoch'] += 1; self.st['i'] = 0; self._order = None
+                    raise DataError(
+                        f"source {self.spec.name!r}: reader {self.g} of {self.n} gets no training document "
+                        f"({len(self.pool)} in all): use fewer ranks x data.num_workers, or more data"
+                    )
+                self.st["epoch"] += 1
+                self.st["i"] = 0
+                self._order = None
                 continue
-            k = int(self._order[self.st['i']])
-            self.st['i'] += 1
-            if (len(self.items[k]) if self.sizes is None else self.sizes[k]) == 0: self.st['empty'] += 1; continue
+            k = int(self._order[self.st["i"]])
+            self.st["i"] += 1
+            if (len(self.items[k]) if self.sizes is None else self.sizes[k]) == 0:
+                self.st["empty"] += 1
+                continue
             return self.items[k]
 
 # %% ../nbs/02_data.ipynb #efb7e3ca
-HF_ROWS = 256   # rows fetched from a datasets stream at a time
-_HAS_STRATEGY = None   # whether this datasets' split_dataset_by_node takes `strategy` (newer than 3.0)
+HF_ROWS = 256  # rows fetched from a datasets stream at a time
+_HAS_STRATEGY = None  # whether this datasets' split_dataset_by_node takes `strategy` (newer than 3.0)
+
 
 @functools.lru_cache(None)
-def _load_hf(spec:SourceSpec):
+def _load_hf(spec: SourceSpec):
     "The source as a streaming `datasets.IterableDataset` (nothing is downloaded ahead); once per process."
     from datasets import load_dataset
-    if spec.source == 'files':
-        files = resolve_files(spec.path, f'source {spec.name!r} path')
-        kind = _file_kind(files[0])
-        if kind == 'text': raise DataError(f"source {spec.name!r}: text files are read as a file list, not with datasets")
-        return load_dataset(kind, data_files={'train': [str(f) for f in files]}, split='train', streaming=True)
-    return load_dataset(spec.path, name=spec.subset or None, split=spec.split, streaming=True, revision=spec.revision or None)
 
-def _check_text_field(spec:SourceSpec, columns):
+    if spec.source == "files":
+        files = resolve_files(spec.path, f"source {spec.name!r} path")
+        kind = _file_kind(files[0])
+        if kind == "text":
+            raise DataError(f"source {spec.name!r}: text files are read as a file list, not with datasets")
+        return load_dataset(kind, data_files={"train": [str(f) for f in files]}, split="train", streaming=True)
+    return load_dataset(
+        spec.path, name=spec.subset or None, split=spec.split, streaming=True, revision=spec.revision or None
+    )
+
+
+def _check_text_field(spec: SourceSpec, columns):
     if columns is not None and spec.text_field not in columns:
-        raise DataError(f"source {spec.name!r}: text field {spec.text_field!r} not found; the columns are: {', '.join(columns)}. "
-                        f"Set data.text_field (or data.sources.{spec.name}.text_field) to one of them")
+        raise DataError(
+            f"source {spec.name!r}: text field {spec.text_field!r} not found; the columns are: {', '.join(columns)}. "
+            f"Set data.text_field (or data.sources.{spec.name}.text_field) to one of them"
+        )
 
 # %% ../nbs/02_data.ipynb #b1c3a188
 def _has_strategy() -> bool:
     import inspect
+
     from datasets.distributed import split_dataset_by_node
-    return 'strategy' in inspect.signature(split_dataset_by_node).parameters
+
+    return "strategy" in inspect.signature(split_dataset_by_node).parameters
+
 
 class HFStream:
     "Reader `g` of `n` over a `datasets` stream (hub, jsonl, parquet), resumable at the row."
-    def __init__(self, spec:SourceSpec, split:str, g:int, n:int, seed:int, heldout_frac:float, epochs=None):
+
+    def __init__(self, spec: SourceSpec, split: str, g: int, n: int, seed: int, heldout_frac: float, epochs=None):
         self.spec, self.split, self.g, self.n, self.frac, self.epochs = spec, split, g, n, heldout_frac, epochs
-        self.st = dict(epoch=0, snap=None, j=0, empty=0, seen=0)   # snap: the dataset's state before the current block
+        self.st = dict(epoch=0, snap=None, j=0, empty=0, seen=0)  # snap: the dataset's state before the current block
         self._base, self._it = None, None
 
     def _texts(self, tbl) -> list:
@@ -404,216 +520,325 @@ class HFStream:
     def _open(self):
         "Open this reader's share at `st`: load the dataset's state, fetch the block it points at (rows from `j` on are next)."
         from datasets.distributed import split_dataset_by_node
+
         global _HAS_STRATEGY
-        if _HAS_STRATEGY is None: _HAS_STRATEGY = _has_strategy()
+        if _HAS_STRATEGY is None:
+            _HAS_STRATEGY = _has_strategy()
         if self._base is None:
             self._base = _load_hf(self.spec)
             _check_text_field(self.spec, self._base.column_names)
         # whole files per reader whenever there are enough (uneven counts are fine), else every n-th row of each file
-        kw = dict(strategy='shards' if self._base.num_shards >= self.n else 'examples') if _HAS_STRATEGY else {}
-        ds = split_dataset_by_node(self._base, rank=self.g, world_size=self.n, **kw).with_format('arrow')
-        ds.set_epoch(self.st['epoch'])
-        if self.st['snap'] is not None: ds.load_state_dict(self.st['snap'])
+        kw = dict(strategy="shards" if self._base.num_shards >= self.n else "examples") if _HAS_STRATEGY else {}
+        ds = split_dataset_by_node(self._base, rank=self.g, world_size=self.n, **kw).with_format("arrow")
+        ds.set_epoch(self.st["epoch"])
+        if self.st["snap"] is not None:
+            ds.load_state_dict(self.st["snap"])
         self._ds, self._it = ds, ds.iter(batch_size=HF_ROWS)
         self._rows = self._texts(tbl) if (tbl := next(self._it, None)) is not None else []
 
     def _fetch(self) -> bool:
         snap = self._ds.state_dict()
-        if (tbl := next(self._it, None)) is None: return False
-        self._rows, self.st['snap'], self.st['j'] = self._texts(tbl), snap, 0
+        if (tbl := next(self._it, None)) is None:
+            return False
+        self._rows, self.st["snap"], self.st["j"] = self._texts(tbl), snap, 0
         return True
 
-    def state(self) -> dict: return dict(self.st)
-    def restore(self, st:dict): self.st, self._it = dict(st), None
+    def state(self) -> dict:
+        return dict(self.st)
+
+    def restore(self, st: dict):
+        self.st, self._it = dict(st), None
 
     def next_doc(self):
         "The next document of this split as bytes, or None when a finite split is used up."
-        if self._it is None: self._open()
+        if self._it is None:
+            self._open()
         while True:
-            if self.st['j'] >= len(self._rows):
-                if self._fetch(): continue
-                if self.split == 'heldout' or (self.epochs is not None and self.st['epoch'] + 1 >= self.epochs): return None
-                if self.st['seen'] == 0:
-                    raise DataError(f"source {self.spec.name!r}: reader {self.g} of {self.n} got no {self.split} document in a whole epoch")
-                self.st.update(epoch=self.st['epoch'] + 1, snap=None, j=0, seen=0)
-                self._open(); continue
-            text = self._rows[self.st['j']]; self.st['j'] += 1
-            if not text: self.st['empty'] += 1; continue
-            data = text.encode('utf-8', 'surrogatepass') if isinstance(text, str) else bytes(text)
-            if is_heldout(data, self.frac) != (self.split == 'heldout'): continue
-            self.st['seen'] += 1
+            if self.st["j"] >= len(self._rows):
+                if self._fetch():
+                    continue
+                if self.split == "heldout" or (self.epochs is not None and self.st["epoch"] + 1 >= self.epochs):
+                    return None
+                if self.st["seen"] == 0:
+                    raise DataError(
+                        f"source {self.spec.name!r}: reader {self.g} of {self.n} got no {self.split} document in a whole epoch"
+                    )
+                self.st.update(epoch=self.st["epoch"] + 1, snap=None, j=0, seen=0)
+                self._open()
+                continue
+            text = self._rows[self.st["j"]]
+            self.st["j"] += 1
+            if not text:
+                self.st["empty"] += 1
+                continue
+            data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+            if is_heldout(data, self.frac) != (self.split == "heldout"):
+                continue
+            self.st["seen"] += 1
             return data
 
 # %% ../nbs/02_data.ipynb #d9cf2d1e
-def source_documents(data_cfg:DataConfig, split:str='train', limit:int=None, seed:int=0):
+def source_documents(data_cfg: DataConfig, split: str = "train", limit: int = None, seed: int = 0):
     "The documents (bytes) of `split` of every source of `data_cfg`, taking turns between sources, one pass, at most `limit`."
-    streams = [(HFStream if s.source == 'hub' or (s.source == 'files' and _file_kind(resolve_files(s.path)[0]) != 'text') else ListStream)(
-               s, split, 0, 1, seed, data_cfg.heldout_frac, epochs=1) for _, s in sorted(source_specs(data_cfg).items())]
+    streams = [
+        (
+            HFStream
+            if s.source == "hub" or (s.source == "files" and _file_kind(resolve_files(s.path)[0]) != "text")
+            else ListStream
+        )(s, split, 0, 1, seed, data_cfg.heldout_frac, epochs=1)
+        for _, s in sorted(source_specs(data_cfg).items())
+    ]
     n = 0
     while streams and (limit is None or n < limit):
         for st in list(streams):
             doc = st.next_doc()
-            if doc is None: streams.remove(st); continue
-            if not isinstance(doc, (bytes, bytearray)): doc = b''.join(iter_pieces(doc, data_cfg.max_bytes))
-            yield doc; n += 1
-            if limit is not None and n >= limit: return
+            if doc is None:
+                streams.remove(st)
+                continue
+            if not isinstance(doc, (bytes, bytearray)):
+                doc = b"".join(iter_pieces(doc, data_cfg.max_bytes))
+            yield doc
+            n += 1
+            if limit is not None and n >= limit:
+                return
 
 # %% ../nbs/02_data.ipynb #8525b6ad
-def _uniform(names): return {n: 1.0 for n in names}
-def _NO_MIX(step): return {}   # no curriculum: every source equally likely
+def _uniform(names):
+    return {n: 1.0 for n in names}
+
+
+def _NO_MIX(step):
+    return {}  # no curriculum: every source equally likely
+
 
 class Packer:
     "Documents from named sources packed into [B, T+1] windows for one reader; `state()` / `restore()` resume exactly."
-    def __init__(self, cfg:Config, split:str='train', rank:int=0, world_size:int=1, worker:int=0, n_workers:int=1,
-                 codec=None, mix=None, epochs=None, block:int=1):
+
+    def __init__(
+        self,
+        cfg: Config,
+        split: str = "train",
+        rank: int = 0,
+        world_size: int = 1,
+        worker: int = 0,
+        n_workers: int = 1,
+        codec=None,
+        mix=None,
+        epochs=None,
+        block: int = 1,
+    ):
         d, t = cfg.data, cfg.training
         self.B, self.T, self.grad_accum, self.max_bytes = t.batch_size, t.seq_len, t.grad_accum, d.max_bytes
         self.codec = codec or build_codec(d)
         self.specs = source_specs(d)
         self.names = sorted(self.specs)
-        self.worker, self.n_workers, self.block = worker, n_workers, block   # readers take turns by blocks of `block` batches
-        self.g, self.n = rank * n_workers + worker, world_size * n_workers   # this reader among all readers
+        self.worker, self.n_workers, self.block = (
+            worker,
+            n_workers,
+            block,
+        )  # readers take turns by blocks of `block` batches
+        self.g, self.n = rank * n_workers + worker, world_size * n_workers  # this reader among all readers
         self.split, self.seed, self.doc_mask = split, t.seed, d.doc_mask
-        self.finite = split == 'heldout' or epochs is not None
+        self.finite = split == "heldout" or epochs is not None
         self.mix = mix if mix is not None else _NO_MIX
+
         def stream(spec):
-            cls = HFStream if spec.source == 'hub' or (spec.source == 'files' and _file_kind(resolve_files(spec.path)[0]) != 'text') else ListStream
+            cls = (
+                HFStream
+                if spec.source == "hub"
+                or (spec.source == "files" and _file_kind(resolve_files(spec.path)[0]) != "text")
+                else ListStream
+            )
             return cls(spec, split, self.g, self.n, t.seed, d.heldout_frac, epochs)
+
         self.streams = {n: stream(s) for n, s in self.specs.items()}
-        self.st = dict(batches=0, docs=0, serial=0, carry=None, cur=None, done=[], counts={n: 0 for n in self.names}, truncated=0)
+        self.st = dict(
+            batches=0, docs=0, serial=0, carry=None, cur=None, done=[], counts={n: 0 for n in self.names}, truncated=0
+        )
         self._pieces, self._piece, self._poff = None, None, 0
         N = self.B * self.T + 1
-        self._buf, self._ser = np.empty(N, np.int64), np.empty(N, np.int64)   # ids and document serial numbers
+        self._buf, self._ser = np.empty(N, np.int64), np.empty(N, np.int64)  # ids and document serial numbers
 
 # %% ../nbs/02_data.ipynb #38de4c26
-def _doc_pieces(self, doc, skip:int=0):
+def _doc_pieces(self, doc, skip: int = 0):
     "The ids of one document, BOS + bytes (truncated to max_bytes) + EOS, a piece at a time; the first `skip` ids dropped."
     if isinstance(doc, (bytes, bytearray)):
-        data = doc[:self.max_bytes] if self.max_bytes else doc
-        chunks = [data] if len(data) <= PIECE_BYTES else [data[k:k + PIECE_BYTES] for k in range(0, len(data), PIECE_BYTES)]
-    else: chunks = iter_pieces(doc, self.max_bytes, PIECE_BYTES)
+        data = doc[: self.max_bytes] if self.max_bytes else doc
+        chunks = (
+            [data]
+            if len(data) <= PIECE_BYTES
+            else [data[k : k + PIECE_BYTES] for k in range(0, len(data), PIECE_BYTES)]
+        )
+    else:
+        chunks = iter_pieces(doc, self.max_bytes, PIECE_BYTES)
     prev, first = None, True
+
     def pieces():
         nonlocal prev, first
-        for c in chunks:   # one piece of look-ahead: the last piece carries the EOS
-            if prev is not None: yield self.codec.encode_doc(prev, bos=first, eos=False); first = False
+        for c in chunks:  # one piece of look-ahead: the last piece carries the EOS
+            if prev is not None:
+                yield self.codec.encode_doc(prev, bos=first, eos=False)
+                first = False
             prev = c
-        yield self.codec.encode_doc(prev or b'', bos=first, eos=True)
+        yield self.codec.encode_doc(prev or b"", bos=first, eos=True)
+
     for p in pieces():
-        if skip >= len(p): skip -= len(p); continue
-        yield p[skip:] if skip else p; skip = 0
+        if skip >= len(p):
+            skip -= len(p)
+            continue
+        yield p[skip:] if skip else p
+        skip = 0
+
+
 Packer._doc_pieces = _doc_pieces
 
 # %% ../nbs/02_data.ipynb #6f1709f3
-def _choose(self, step:int):
+def _choose(self, step: int):
     "The source of the next document: a draw from the step's mixture, fixed by (seed, reader, document number)."
-    if len(self.names) == 1 and self.split != 'heldout' and self.mix is _NO_MIX: return None if self.st['done'] else self.names[0]
-    live = [n for n in self.names if n not in self.st['done']]
-    w = self.mix(step) if self.split != 'heldout' and self.mix is not _NO_MIX else _uniform(self.names)
+    if len(self.names) == 1 and self.split != "heldout" and self.mix is _NO_MIX:
+        return None if self.st["done"] else self.names[0]
+    live = [n for n in self.names if n not in self.st["done"]]
+    w = self.mix(step) if self.split != "heldout" and self.mix is not _NO_MIX else _uniform(self.names)
     w = np.array([max(float(w.get(n, 0.0)), 0.0) for n in live])
-    if not len(live) or w.sum() <= 0: return None
-    if (w > 0).sum() == 1: return live[int(np.argmax(w))]
-    u = _seed_of(self.seed, self.g, self.st['docs']) / 2**64
-    return live[min(int(np.searchsorted(np.cumsum(w) / w.sum(), u, side='right')), len(live) - 1)]
+    if not len(live) or w.sum() <= 0:
+        return None
+    if (w > 0).sum() == 1:
+        return live[int(np.argmax(w))]
+    u = _seed_of(self.seed, self.g, self.st["docs"]) / 2**64
+    return live[min(int(np.searchsorted(np.cumsum(w) / w.sum(), u, side="right")), len(live) - 1)]
 
-def _next_piece(self, step:int):
+
+def _next_piece(self, step: int):
     "The next piece of ids, starting the next document when the current one is done; None when a finite split ends."
     while True:
         if self._pieces is not None:
             p = next(self._pieces, None)
-            if p is not None: return p
-            self._pieces, self.st['cur'] = None, None
+            if p is not None:
+                return p
+            self._pieces, self.st["cur"] = None, None
         name = self._choose(step)
-        if name is None: return None
+        if name is None:
+            return None
         s = self.streams[name]
         pos = s.state()
         doc = s.next_doc()
-        if doc is None: self.st['done'].append(name); continue
-        self.st['docs'] += 1; self.st['serial'] += 1; self.st['counts'][name] += 1
+        if doc is None:
+            self.st["done"].append(name)
+            continue
+        self.st["docs"] += 1
+        self.st["serial"] += 1
+        self.st["counts"][name] += 1
         size = len(doc) if isinstance(doc, (bytes, bytearray)) else doc.stat().st_size
-        if self.max_bytes and size > self.max_bytes: self.st['truncated'] += 1
-        self.st['cur'] = dict(source=name, pos=pos, off=0)
+        if self.max_bytes and size > self.max_bytes:
+            self.st["truncated"] += 1
+        self.st["cur"] = dict(source=name, pos=pos, off=0)
         self._pieces = self._doc_pieces(doc)
+
+
 Packer._choose, Packer._next_piece = _choose, _next_piece
 
 # %% ../nbs/02_data.ipynb #d53d7cc6
 def _next_batch(self):
     "The next batch dict (numpy arrays), or None when a finite split is used up."
     N, buf, ser = len(self._buf), self._buf, self._ser
-    i, G = self.st['batches'], self.block
-    step = ((i // G * self.n_workers + self.worker) * G + i % G) // self.grad_accum   # this batch's optimizer step
+    i, G = self.st["batches"], self.block
+    step = ((i // G * self.n_workers + self.worker) * G + i % G) // self.grad_accum  # this batch's optimizer step
     pos = 0
-    if self.st['carry'] is not None: buf[0], ser[0] = self.st['carry']; pos = 1
+    if self.st["carry"] is not None:
+        buf[0], ser[0] = self.st["carry"]
+        pos = 1
     while pos < N:
         if self._piece is None or self._poff >= len(self._piece):
             self._piece, self._poff = self._next_piece(step), 0
-            if self._piece is None: break
+            if self._piece is None:
+                break
         k = min(N - pos, len(self._piece) - self._poff)
-        buf[pos:pos + k] = self._piece[self._poff:self._poff + k]
-        ser[pos:pos + k] = self.st['serial']
-        pos += k; self._poff += k; self.st['cur']['off'] += k
-    if pos <= (self.st['carry'] is not None): return None   # nothing new: the split is used up
+        buf[pos : pos + k] = self._piece[self._poff : self._poff + k]
+        ser[pos : pos + k] = self.st["serial"]
+        pos += k
+        self._poff += k
+        self.st["cur"]["off"] += k
+    if pos <= (self.st["carry"] is not None):
+        return None  # nothing new: the split is used up
     rows = self.B
-    if pos < N:   # the last batch of a finite split
-        buf[pos:], ser[pos:] = self.codec.pad, self.st['serial'] + 1
+    if pos < N:  # the last batch of a finite split
+        buf[pos:], ser[pos:] = self.codec.pad, self.st["serial"] + 1
         rows = -(-(pos - 1) // self.T)
-    self.st['carry'] = (int(buf[N - 1]), int(ser[N - 1])) if pos == N else None
-    self.st['batches'] += 1
-    n = rows * self.T   # windows overlap by one id, so inputs and labels are two shifted reshapes of the buffer
-    labels = buf[1:n + 1].reshape(rows, self.T).copy()
-    if pos < N: labels[labels == self.codec.pad] = -100   # documents never hold PAD (see the codecs), only the padding does
+    self.st["carry"] = (int(buf[N - 1]), int(ser[N - 1])) if pos == N else None
+    self.st["batches"] += 1
+    n = rows * self.T  # windows overlap by one id, so inputs and labels are two shifted reshapes of the buffer
+    labels = buf[1 : n + 1].reshape(rows, self.T).copy()
+    if pos < N:
+        labels[labels == self.codec.pad] = -100  # documents never hold PAD (see the codecs), only the padding does
     out = dict(input_ids=buf[:n].reshape(rows, self.T).copy(), labels=labels)
     if self.doc_mask:
         d = ser[:n].reshape(rows, self.T)
-        out['doc_ids'] = d - d[:, :1]
+        out["doc_ids"] = d - d[:, :1]
     return out
+
+
 Packer.next_batch = _next_batch
 
 # %% ../nbs/02_data.ipynb #aa8a1e90
 def _packer_state(self) -> dict:
     "Where this reader stands: batches made, the partly read document, each source's position, counts (`Packer.state`)."
     st = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v) for k, v in self.st.items()}
-    st['sources'] = {n: s.state() for n, s in self.streams.items()}
+    st["sources"] = {n: s.state() for n, s in self.streams.items()}
     return st
 
-def _packer_restore(self, st:dict):
+
+def _packer_restore(self, st: dict):
     "Continue exactly where `packer_state` was taken."
     st = {k: v for k, v in st.items()}
-    for n, s in self.streams.items(): s.restore(st['sources'][n])
-    self.st = {k: v for k, v in st.items() if k != 'sources'}
-    self.st['carry'] = tuple(st['carry']) if st['carry'] is not None else None
-    self.st['counts'], self.st['done'] = dict(st['counts']), list(st['done'])
+    for n, s in self.streams.items():
+        s.restore(st["sources"][n])
+    self.st = {k: v for k, v in st.items() if k != "sources"}
+    self.st["carry"] = tuple(st["carry"]) if st["carry"] is not None else None
+    self.st["counts"], self.st["done"] = dict(st["counts"]), list(st["done"])
     self._pieces, self._piece, self._poff = None, None, 0
-    cur = st['cur']
-    if cur is not None:   # reopen the partly read document and skip what was packed
-        s = self.streams[cur['source']]
-        s.restore(cur['pos']); doc = s.next_doc()
-        self.st['cur'] = dict(cur)
-        self._pieces = self._doc_pieces(doc, skip=cur['off'])
+    cur = st["cur"]
+    if cur is not None:  # reopen the partly read document and skip what was packed
+        s = self.streams[cur["source"]]
+        s.restore(cur["pos"])
+        doc = s.next_doc()
+        self.st["cur"] = dict(cur)
+        self._pieces = self._doc_pieces(doc, skip=cur["off"])
         self._piece = next(self._pieces, None)
-        if self._piece is None: self._pieces = None
+        if self._piece is None:
+            self._pieces = None
+
+
 Packer.state, Packer.restore = _packer_state, _packer_restore
 
 # %% ../nbs/02_data.ipynb #4529e298
-WORKER_BLOCK = 8   # batches a DataLoader worker sends at once
+WORKER_BLOCK = 8  # batches a DataLoader worker sends at once
 
-def _identity(x): return x
+
+def _identity(x):
+    return x
+
 
 class _Readers(torch.utils.data.IterableDataset):
     "The readers of one rank, one per DataLoader worker; yields (reader, [(numpy batch, state), ...]) a block at a time."
-    def __init__(self, make, states, offset:int, n:int, block:int):
+
+    def __init__(self, make, states, offset: int, n: int, block: int):
         self.make, self.states, self.offset, self.n, self.block = make, states, offset, n, block
+
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         w = ((info.id if info else 0) + self.offset) % self.n
         pk = self.make(w)
-        if self.states[w] is not None: pk.restore(self.states[w])
+        if self.states[w] is not None:
+            pk.restore(self.states[w])
         while True:
-            want, out = self.block - pk.st['batches'] % self.block, []   # to the end of this reader's block
+            want, out = self.block - pk.st["batches"] % self.block, []  # to the end of this reader's block
             while len(out) < want and (b := pk.next_batch()) is not None:
-                out.append((b, pk.state()))   # numpy crosses the worker pipe faster than tensors moved to shared memory
-            if out: yield w, out
-            if len(out) < want: return
+                out.append((b, pk.state()))  # numpy crosses the worker pipe faster than tensors moved to shared memory
+            if out:
+                yield w, out
+            if len(out) < want:
+                return
+
 
 def _make_packer(cfg, split, rank, world_size, n_workers, mix, epochs, block, w):
     return Packer(cfg, split, rank, world_size, w, n_workers, mix=mix, epochs=epochs, block=block)
@@ -621,75 +846,136 @@ def _make_packer(cfg, split, rank, world_size, n_workers, mix, epochs, block, w)
 # %% ../nbs/02_data.ipynb #4c5fb7da
 class Loader:
     "Batches for one rank: iterate it; `state_dict()` / `load_state_dict()` resume exactly (train split)."
-    def __init__(self, cfg:Config, split:str='train', rank:int=0, world_size:int=1, mix=None, epochs=None, pin_memory:bool=False):
-        if split not in ('train', 'heldout'): raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+
+    def __init__(
+        self,
+        cfg: Config,
+        split: str = "train",
+        rank: int = 0,
+        world_size: int = 1,
+        mix=None,
+        epochs=None,
+        pin_memory: bool = False,
+    ):
+        if split not in ("train", "heldout"):
+            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
         self.cfg, self.split, self.rank, self.world_size = cfg, split, rank, world_size
         self.n_workers = max(1, cfg.data.num_workers)
         self.block = WORKER_BLOCK if cfg.data.num_workers else 1
-        self.pin_memory = pin_memory   # off by default: pinning each small batch cost half the loader's speed on an H200 host
-        self._make = functools.partial(_make_packer, cfg, split, rank, world_size, self.n_workers, mix, epochs, self.block)
-        self.k, self.states = 0, [None] * self.n_workers   # micro-batches handed out; each reader's state after its last one
+        self.pin_memory = (
+            pin_memory  # off by default: pinning each small batch cost half the loader's speed on an H200 host
+        )
+        self._make = functools.partial(
+            _make_packer, cfg, split, rank, world_size, self.n_workers, mix, epochs, self.block
+        )
+        self.k, self.states = (
+            0,
+            [None] * self.n_workers,
+        )  # micro-batches handed out; each reader's state after its last one
 
     def _layout(self) -> dict:
         t = self.cfg.training
-        return dict(batch_size=t.batch_size, seq_len=t.seq_len, num_workers=self.cfg.data.num_workers, world_size=self.world_size, rank=self.rank)
+        return dict(
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            num_workers=self.cfg.data.num_workers,
+            world_size=self.world_size,
+            rank=self.rank,
+        )
 
     def iter_readers(self):
         "Yield (reader, batch) pairs; `__iter__` is this without the reader."
-        resume = self.split == 'train'
+        resume = self.split == "train"
         k, states = (self.k, list(self.states)) if resume else (0, [None] * self.n_workers)
         ds = _Readers(self._make, states, k // self.block % self.n_workers, self.n_workers, self.block)
-        if self.cfg.data.num_workers == 0: it = iter(ds)
-        else: it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.n_workers, collate_fn=_identity,
-                                                     persistent_workers=False))
+        if self.cfg.data.num_workers == 0:
+            it = iter(ds)
+        else:
+            it = iter(
+                torch.utils.data.DataLoader(
+                    ds, batch_size=None, num_workers=self.n_workers, collate_fn=_identity, persistent_workers=False
+                )
+            )
         for w, block in it:
             for batch, st in block:
-                if resume: self.states[w], self.k = st, self.k + 1
+                if resume:
+                    self.states[w], self.k = st, self.k + 1
                 batch = {k: torch.from_numpy(v) for k, v in batch.items()}
                 yield w, {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
 
     def __iter__(self):
-        for _, batch in self.iter_readers(): yield batch
+        for _, batch in self.iter_readers():
+            yield batch
 
     def state_dict(self) -> dict:
         "Plain numbers, strings and lists: safe for `torch.load(weights_only=True)` and JSON."
-        return dict(k=self.k, readers=[None if s is None else json.loads(json.dumps(s)) for s in self.states], layout=self._layout())
+        return dict(
+            k=self.k,
+            readers=[None if s is None else json.loads(json.dumps(s)) for s in self.states],
+            layout=self._layout(),
+        )
 
-    def load_state_dict(self, sd:dict):
+    def load_state_dict(self, sd: dict):
         "Continue from a `state_dict` of a loader with the same batch layout."
-        diff = {key: (v, self._layout()[key]) for key, v in sd['layout'].items() if self._layout().get(key) != v}
-        if diff: raise ValueError("the data loader state was saved with a different layout; exact resume needs the same "
-                                  + ', '.join(f'{key} (saved {a}, now {b})' for key, (a, b) in diff.items()))
-        self.k, self.states = int(sd['k']), list(sd['readers'])
+        diff = {key: (v, self._layout()[key]) for key, v in sd["layout"].items() if self._layout().get(key) != v}
+        if diff:
+            raise ValueError(
+                "the data loader state was saved with a different layout; exact resume needs the same "
+                + ", ".join(f"{key} (saved {a}, now {b})" for key, (a, b) in diff.items())
+            )
+        self.k, self.states = int(sd["k"]), list(sd["readers"])
 
     def stats(self) -> dict:
         "Documents taken per source, empty documents skipped per source, documents truncated (over batches handed out)."
         out = dict(docs={}, empty={}, truncated=0)
         for s in self.states:
-            if s is None: continue
-            for n, c in s['counts'].items(): out['docs'][n] = out['docs'].get(n, 0) + c
-            for n, src in s['sources'].items(): out['empty'][n] = out['empty'].get(n, 0) + src['empty']
-            out['truncated'] += s['truncated']
+            if s is None:
+                continue
+            for n, c in s["counts"].items():
+                out["docs"][n] = out["docs"].get(n, 0) + c
+            for n, src in s["sources"].items():
+                out["empty"][n] = out["empty"].get(n, 0) + src["empty"]
+            out["truncated"] += s["truncated"]
         return out
 
 # %% ../nbs/02_data.ipynb #3b515f96
-def build_loader(cfg:Config, split:str='train', rank:int=None, world_size:int=None, mix=None, epochs:int=None, pin_memory:bool=False) -> Loader:
+def build_loader(
+    cfg: Config,
+    split: str = "train",
+    rank: int = None,
+    world_size: int = None,
+    mix=None,
+    epochs: int = None,
+    pin_memory: bool = False,
+) -> Loader:
     "The batches of `split` ('train' repeats forever, 'heldout' is finite) for this rank."
     env = dist_env()
     rank = env.rank if rank is None else rank
     world_size = env.world_size if world_size is None else world_size
-    if not 0 <= rank < world_size: raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
     if cfg.data.phases and mix is None:
-        raise ConfigError("data.phases is set: build the loader with cipher_nb.curriculum.build_loader (or pass mix=Curriculum(cfg).mix)")
+        raise ConfigError(
+            "data.phases is set: build the loader with cipher_nb.curriculum.build_loader (or pass mix=Curriculum(cfg).mix)"
+        )
     codec = build_codec(cfg.data)
     if codec.vocab_size > cfg.model.vocab:
-        raise ConfigError(f"model.vocab ({cfg.model.vocab}) is smaller than the codec's vocabulary ({codec.vocab_size}, data.codec={cfg.data.codec!r})")
-    for spec in source_specs(cfg.data).values():   # fail here, in the main process, on a bad path or text field
+        raise ConfigError(
+            f"model.vocab ({cfg.model.vocab}) is smaller than the codec's vocabulary ({codec.vocab_size}, data.codec={cfg.data.codec!r})"
+        )
+    for spec in source_specs(cfg.data).values():  # fail here, in the main process, on a bad path or text field
         # and fill the per-process caches here once, so that forked DataLoader workers inherit them
-        if spec.source == 'stdlib': _doc_hashes(stdlib_docs())
-        elif spec.source == 'mock': _doc_hashes(mock_docs(spec.path))
-        elif spec.source == 'files' and _file_kind((files := resolve_files(spec.path, f'source {spec.name!r} path'))[0]) == 'text': _file_meta(files)
-        else: _check_text_field(spec, _load_hf(spec).column_names)
+        if spec.source == "stdlib":
+            _doc_hashes(stdlib_docs())
+        elif spec.source == "mock":
+            _doc_hashes(mock_docs(spec.path))
+        elif (
+            spec.source == "files"
+            and _file_kind((files := resolve_files(spec.path, f"source {spec.name!r} path"))[0]) == "text"
+        ):
+            _file_meta(files)
+        else:
+            _check_text_field(spec, _load_hf(spec).column_names)
     return Loader(cfg, split, rank, world_size, mix=mix, epochs=epochs, pin_memory=pin_memory)
 
 # %% ../nbs/02_data.ipynb #1afdcc07
@@ -697,45 +983,55 @@ def documents_in(batches, codec=None) -> list:
     "The complete documents (BOS ... EOS) in one reader's consecutive batches, as bytes."
     codec = codec or ByteCodec()
     batches = list(batches)
-    if not batches: return []
-    last = np.asarray(batches[-1]['labels'])[-1, -1:]
-    ids = np.concatenate([np.asarray(b['input_ids']).reshape(-1) for b in batches] + [last[last >= 0]])
+    if not batches:
+        return []
+    last = np.asarray(batches[-1]["labels"])[-1, -1:]
+    ids = np.concatenate([np.asarray(b["input_ids"]).reshape(-1) for b in batches] + [last[last >= 0]])
     bos, eos = np.flatnonzero(ids == codec.bos), np.flatnonzero(ids == codec.eos)
     out = []
     for s in bos:
         k = np.searchsorted(eos, s)
-        if k < len(eos): out.append(codec.decode_bytes(ids[s + 1:eos[k]]))
+        if k < len(eos):
+            out.append(codec.decode_bytes(ids[s + 1 : eos[k]]))
     return out
 
 # %% ../nbs/02_data.ipynb #5f994455
 @functools.lru_cache(None)
-def _content_hash(path:str, size:int, mtime:float) -> str:
+def _content_hash(path: str, size: int, mtime: float) -> str:
     h = hashlib.blake2b(digest_size=16)
-    with open(path, 'rb') as f:
-        while chunk := f.read(PIECE_BYTES): h.update(chunk)
+    with open(path, "rb") as f:
+        while chunk := f.read(PIECE_BYTES):
+            h.update(chunk)
     return h.hexdigest()
+
 
 def _files_manifest(files) -> list:
     "[name relative to the files' common folder, content hash] per file: where the data lives does not matter."
     root = Path(os.path.commonpath([Path(f).parent for f in files]))
-    return [[Path(f).relative_to(root).as_posix(), _content_hash(str(f), (s := Path(f).stat()).st_size, s.st_mtime)] for f in files]
+    return [
+        [Path(f).relative_to(root).as_posix(), _content_hash(str(f), (s := Path(f).stat()).st_size, s.st_mtime)]
+        for f in files
+    ]
 
-def data_manifest(cfg:Config) -> dict:
+
+def data_manifest(cfg: Config) -> dict:
     "What the data fingerprint hashes: every source's identity and content, the held-out fraction, the phases."
     srcs = {}
     for name, spec in sorted(source_specs(cfg.data).items()):
-        ident = {k: v for k, v in asdict(spec).items() if k != 'name' and not (k == 'path' and spec.source == 'files')}
-        if spec.source == 'stdlib':
-            ident['documents'] = _files_manifest(stdlib_files())
-        elif spec.source == 'mock':
-            ident['documents'] = [hashlib.blake2b(d, digest_size=16).hexdigest() for d in mock_docs(spec.path)]
-        elif spec.source == 'files':
-            ident['documents'] = _files_manifest(resolve_files(spec.path, f'source {name!r} path'))
-        else: ident['pinned'] = bool(spec.revision)
+        ident = {k: v for k, v in asdict(spec).items() if k != "name" and not (k == "path" and spec.source == "files")}
+        if spec.source == "stdlib":
+            ident["documents"] = _files_manifest(stdlib_files())
+        elif spec.source == "mock":
+            ident["documents"] = [hashlib.blake2b(d, digest_size=16).hexdigest() for d in mock_docs(spec.path)]
+        elif spec.source == "files":
+            ident["documents"] = _files_manifest(resolve_files(spec.path, f"source {name!r} path"))
+        else:
+            ident["pinned"] = bool(spec.revision)
         srcs[name] = ident
     return dict(sources=srcs, heldout_frac=cfg.data.heldout_frac, phases=cfg.data.phases)
 
-def data_fingerprint(cfg:Config) -> str:
+
+def data_fingerprint(cfg: Config) -> str:
     "A 16-hex-digit hash of the document selection (sources and their contents, held-out fraction, phases)."
     blob = json.dumps(data_manifest(cfg), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

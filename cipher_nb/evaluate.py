@@ -9,70 +9,98 @@ __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuation
            'prompt_ids', 'sample_ids', 'generate', 'load_model', 'cipher_eval']
 
 # %% ../nbs/12_evaluate.ipynb #d7db4f55
-import json, math
+import json
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fastcore.script import call_parse, CliError
+from fastcore.script import CliError, call_parse
 
-from .core import resolve_device
-from .config import Config, ConfigError, config_from_dict
-from .data import ByteCodec, DataError, build_codec, source_documents
-from .boundary import check_bp_mode
-from .model import CipherModel, ModelOutput
-from .train import heldout_metrics
 from . import checkpoint as ck
-from .sft import (Example, ChatTemplate, pack_examples, render_conversation, _encode_spans, inject_lora,
-                           merge_lora)
+from .boundary import check_bp_mode
+from .config import ConfigError, config_from_dict
+from .core import resolve_device
+from .data import ByteCodec, DataError, build_codec, source_documents
+from .model import CipherModel, ModelOutput
+from cipher_nb.sft import (
+    ChatTemplate,
+    Example,
+    _encode_spans,
+    inject_lora,
+    merge_lora,
+    pack_examples,
+    render_conversation,
+)
+from .train import heldout_metrics
 
 # %% ../nbs/12_evaluate.ipynb #8515f602
-def text_examples(texts, codec, seq_len:int) -> list:
+def text_examples(texts, codec, seq_len: int) -> list:
     "Documents as `Example`s of at most `seq_len` inputs: BOS + ids + EOS, long ones in consecutive pieces."
     out = []
     for i, t in enumerate(texts):
         ids = codec.encode_doc(t)
         for k, s in enumerate(range(0, len(ids) - 1, seq_len)):
-            piece = ids[s:s + seq_len + 1]   # overlaps the previous piece by one id: its first target is new
-            out.append(Example(f'text {i} piece {k}', piece, np.r_[False, np.ones(len(piece) - 1, bool)]))
+            piece = ids[s : s + seq_len + 1]  # overlaps the previous piece by one id: its first target is new
+            out.append(Example(f"text {i} piece {k}", piece, np.r_[False, np.ones(len(piece) - 1, bool)]))
     return out
 
-def text_batches(texts, codec, seq_len:int, batch_size:int=8) -> list:
+
+def text_batches(texts, codec, seq_len: int, batch_size: int = 8) -> list:
     "Held-out text as packed batches (the batch contract, with `doc_ids` and `position_ids`)."
     arrays = pack_examples(text_examples(texts, codec, seq_len), seq_len, codec.pad)
-    return [{k: torch.from_numpy(v[s:s + batch_size]) for k, v in arrays.items()} for s in range(0, len(arrays['input_ids']), batch_size)]
+    return [
+        {k: torch.from_numpy(v[s : s + batch_size]) for k, v in arrays.items()}
+        for s in range(0, len(arrays["input_ids"]), batch_size)
+    ]
 
-def bits_per_byte(model:nn.Module, codec, texts, seq_len:int, batch_size:int=8, device=None, dtype=torch.float32) -> dict:
+
+def bits_per_byte(
+    model: nn.Module, codec, texts, seq_len: int, batch_size: int = 8, device=None, dtype=torch.float32
+) -> dict:
     "`val/loss` (nats per target) and `val/bpb` of `texts`, through `train.heldout_metrics`."
     device = device or next(model.parameters()).device
-    was = model.training; model.eval()
-    try: return heldout_metrics(model, text_batches(texts, codec, seq_len, batch_size), torch.as_tensor(codec.byte_lengths), device, dtype)
-    finally: model.train(was)
+    was = model.training
+    model.eval()
+    try:
+        return heldout_metrics(
+            model, text_batches(texts, codec, seq_len, batch_size), torch.as_tensor(codec.byte_lengths), device, dtype
+        )
+    finally:
+        model.train(was)
 
 # %% ../nbs/12_evaluate.ipynb #1eca7e73
-def _bp_kwargs(model:nn.Module, bp_mode:str=None) -> dict:
+def _bp_kwargs(model: nn.Module, bp_mode: str = None) -> dict:
     "The boundary mode to pass a boundary-predictor model: its own or `bp_mode`, refused unless causal."
-    bp = getattr(model, 'boundary', None)
-    if bp is None or not getattr(getattr(model, 'cfg', None), 'boundary', False): return {}
+    bp = getattr(model, "boundary", None)
+    if bp is None or not getattr(getattr(model, "cfg", None), "boundary", False):
+        return {}
     return dict(bp_mode=check_bp_mode(bp_mode or bp.mode, generating=True))
 
+
 @torch.no_grad()
-def score_continuations(model:nn.Module, codec, context:str, choices, sep:str=' ', bp_mode:str=None) -> list:
+def score_continuations(model: nn.Module, codec, context: str, choices, sep: str = " ", bp_mode: str = None) -> list:
     "`[(log-likelihood, bytes), ...]`: each choice's continuation `sep + choice` scored after `BOS + context`."
     device = next(model.parameters()).device
     ctx = np.r_[[codec.bos], codec.encode(context)].astype(np.int64)
     conts = [codec.encode(sep + c) for c in choices]
-    if any(len(c) == 0 for c in conts): raise ValueError(f"an empty continuation cannot be scored: choices {list(choices)!r}")
+    if any(len(c) == 0 for c in conts):
+        raise ValueError(f"an empty continuation cannot be scored: choices {list(choices)!r}")
     L = len(ctx) + max(map(len, conts))
     x = torch.full((len(conts), L), codec.pad, dtype=torch.long)
-    for i, c in enumerate(conts): x[i, :len(ctx) + len(c)] = torch.from_numpy(np.r_[ctx, c])
+    for i, c in enumerate(conts):
+        x[i, : len(ctx) + len(c)] = torch.from_numpy(np.r_[ctx, c])
     logits = model(input_ids=x.to(device), **_bp_kwargs(model, bp_mode)).logits
-    logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)   # [n, L, V]; float64 stays float64
+    logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(
+        -1
+    )  # [n, L, V]; float64 stays float64
     out = []
     for i, c in enumerate(conts):
-        pos = torch.arange(len(ctx) - 1, len(ctx) - 1 + len(c), device=device)   # the positions predicting the continuation
+        pos = torch.arange(
+            len(ctx) - 1, len(ctx) - 1 + len(c), device=device
+        )  # the positions predicting the continuation
         out.append((float(logp[i, pos, torch.from_numpy(c).to(device)].double().sum()), codec.count_bytes(c)))
     return out
 
@@ -81,130 +109,200 @@ def load_mc(path, labels=None) -> list:
     "Multiple-choice items `{context, choices, label}` from JSON lines (this shape or PIQA's goal/sol1/sol2/label)."
     lines = [l for l in Path(path).read_text().splitlines() if l.strip()]
     labs = [int(l) for l in Path(labels).read_text().split()] if labels else None
-    if labs is not None and len(labs) != len(lines): raise DataError(f"{labels}: {len(labs)} labels for {len(lines)} items in {path}")
+    if labs is not None and len(labs) != len(lines):
+        raise DataError(f"{labels}: {len(labs)} labels for {len(lines)} items in {path}")
     out = []
     for i, line in enumerate(lines):
         r, where = json.loads(line), f"{Path(path).name}:{i + 1}"
-        if 'goal' in r: r = dict(context=r['goal'], choices=[r[k] for k in ('sol1', 'sol2')], label=r.get('label'))
-        if labs is not None: r['label'] = labs[i]
-        if not {'context', 'choices'} <= set(r) or r.get('label') is None:
-            raise DataError(f"{where}: keys {sorted(r)}; a multiple-choice item has context, choices and label "
-                            "(or PIQA's goal, sol1, sol2 and a label)")
-        if not 0 <= int(r['label']) < len(r['choices']): raise DataError(f"{where}: label {r['label']} is not an index of its {len(r['choices'])} choices")
-        out.append(dict(context=r['context'], choices=list(r['choices']), label=int(r['label'])))
+        if "goal" in r:
+            r = dict(context=r["goal"], choices=[r[k] for k in ("sol1", "sol2")], label=r.get("label"))
+        if labs is not None:
+            r["label"] = labs[i]
+        if not {"context", "choices"} <= set(r) or r.get("label") is None:
+            raise DataError(
+                f"{where}: keys {sorted(r)}; a multiple-choice item has context, choices and label "
+                "(or PIQA's goal, sol1, sol2 and a label)"
+            )
+        if not 0 <= int(r["label"]) < len(r["choices"]):
+            raise DataError(f"{where}: label {r['label']} is not an index of its {len(r['choices'])} choices")
+        out.append(dict(context=r["context"], choices=list(r["choices"]), label=int(r["label"])))
     return out
 
-def multiple_choice(model:nn.Module, codec, items, sep:str=' ', bp_mode:str=None) -> dict:
+
+def multiple_choice(model: nn.Module, codec, items, sep: str = " ", bp_mode: str = None) -> dict:
     "Accuracy (`acc`) and byte-normalised accuracy (`acc_norm`) of zero-shot continuation scoring over `items`."
-    was = model.training; model.eval()
+    was = model.training
+    model.eval()
     try:
         preds = []
         for it in items:
-            s = score_continuations(model, codec, it['context'], it['choices'], sep, bp_mode)
-            preds.append(dict(label=it['label'], logprobs=[l for l, _ in s], pred=int(np.argmax([l for l, _ in s])),
-                              pred_norm=int(np.argmax([l / max(b, 1) for l, b in s]))))
-    finally: model.train(was)
+            s = score_continuations(model, codec, it["context"], it["choices"], sep, bp_mode)
+            preds.append(
+                dict(
+                    label=it["label"],
+                    logprobs=[l for l, _ in s],
+                    pred=int(np.argmax([l for l, _ in s])),
+                    pred_norm=int(np.argmax([l / max(b, 1) for l, b in s])),
+                )
+            )
+    finally:
+        model.train(was)
     n = len(preds)
-    return dict(n=n, acc=sum(p['pred'] == p['label'] for p in preds) / max(n, 1),
-                acc_norm=sum(p['pred_norm'] == p['label'] for p in preds) / max(n, 1), predictions=preds)
+    return dict(
+        n=n,
+        acc=sum(p["pred"] == p["label"] for p in preds) / max(n, 1),
+        acc_norm=sum(p["pred_norm"] == p["label"] for p in preds) / max(n, 1),
+        predictions=preds,
+    )
 
 # %% ../nbs/12_evaluate.ipynb #4a3216d3
-def filter_probs(logits:torch.Tensor, temperature:float=1.0, top_k:int=0, top_p:float=1.0) -> torch.Tensor:
+def filter_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     "Next-token probabilities [..., V] after temperature (0 = greedy), top-k and top-p filtering."
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature ({temperature}) and top_k ({top_k}) cannot be negative and top_p ({top_p}) must lie in (0, 1]")
+        raise ValueError(
+            f"temperature ({temperature}) and top_k ({top_k}) cannot be negative and top_p ({top_p}) must lie in (0, 1]"
+        )
     logits = logits.float()
-    if temperature == 0: return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
-        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[..., -1:], float('-inf'))
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
     probs = logits.softmax(-1)
     if top_p < 1:
         sp, si = probs.sort(-1, descending=True)
-        keep = (sp.cumsum(-1) - sp) < top_p              # the mass before a token is still short of top_p
+        keep = (sp.cumsum(-1) - sp) < top_p  # the mass before a token is still short of top_p
         probs = probs * torch.zeros_like(keep).scatter(-1, si, keep)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 # %% ../nbs/12_evaluate.ipynb #926c17e0
-def prompt_ids(prompt, codec, template:ChatTemplate=None) -> np.ndarray:
+def prompt_ids(prompt, codec, template: ChatTemplate = None) -> np.ndarray:
     "The ids a prompt starts generation from: BOS + text, or a conversation ending with an open assistant turn."
-    if isinstance(prompt, str): return np.r_[[codec.bos], codec.encode(prompt)].astype(np.int64)
-    if template is not None: return _encode_spans(template.render(prompt, True), [], codec)[0]
+    if isinstance(prompt, str):
+        return np.r_[[codec.bos], codec.encode(prompt)].astype(np.int64)
+    if template is not None:
+        return _encode_spans(template.render(prompt, True), [], codec)[0]
     return render_conversation(prompt, codec, generation_prompt=True)[0]
 
+
 @torch.no_grad()
-def sample_ids(model:nn.Module, ids, max_new:int=128, temperature:float=1.0, top_k:int=0, top_p:float=1.0,
-               stop=(), seed:int=None, bp_mode:str=None, context:int=None) -> list:
+def sample_ids(
+    model: nn.Module,
+    ids,
+    max_new: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop=(),
+    seed: int = None,
+    bp_mode: str = None,
+    context: int = None,
+) -> list:
     "New ids after `ids`, drawn one at a time until a `stop` id (not returned) or `max_new`."
     device = next(model.parameters()).device
     kw = _bp_kwargs(model, bp_mode)
     gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
     x, out = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=device)[None], []
-    was = model.training; model.eval()
+    was = model.training
+    model.eval()
     try:
         for _ in range(max_new):
             logits = model(input_ids=x[:, -context:] if context else x, **kw).logits[0, -1]
             nxt = int(torch.multinomial(filter_probs(logits, temperature, top_k, top_p), 1, generator=gen))
-            if nxt in stop: break
+            if nxt in stop:
+                break
             out.append(nxt)
             x = torch.cat([x, x.new_tensor([[nxt]])], 1)
-    finally: model.train(was)
+    finally:
+        model.train(was)
     return out
 
-def generate(model:nn.Module, codec, prompt, max_new:int=128, temperature:float=1.0, top_k:int=0, top_p:float=1.0,
-             seed:int=None, stop=None, bp_mode:str=None, template:ChatTemplate=None, context:int=None) -> str:
+
+def generate(
+    model: nn.Module,
+    codec,
+    prompt,
+    max_new: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = None,
+    stop=None,
+    bp_mode: str = None,
+    template: ChatTemplate = None,
+    context: int = None,
+) -> str:
     "Text sampled after `prompt` (text or a conversation) from a byte or token model."
     stop = (codec.eot, codec.eos) if stop is None else tuple(stop)
-    new = sample_ids(model, prompt_ids(prompt, codec, template), max_new, temperature, top_k, top_p, stop, seed, bp_mode, context)
+    new = sample_ids(
+        model, prompt_ids(prompt, codec, template), max_new, temperature, top_k, top_p, stop, seed, bp_mode, context
+    )
     return codec.decode(new)
 
 # %% ../nbs/12_evaluate.ipynb #77e56909
-def load_model(path, device='cpu') -> tuple:
+def load_model(path, device="cpu") -> tuple:
     "`(model, cfg, codec)` from an export or a complete checkpoint; LoRA adapters are merged."
     path = Path(path)
     meta = ck.read_meta(path)
-    if 'config' not in meta: raise ck.CheckpointError(f"{path} records no config: it was not written by cipher_nb's trainer")
-    cfg = config_from_dict(meta['config'])
+    if "config" not in meta:
+        raise ck.CheckpointError(f"{path} records no config: it was not written by cipher_nb's trainer")
+    cfg = config_from_dict(meta["config"])
     model = CipherModel(cfg.model)
-    lora = meta.get('mode') == 'lora' and not (path / ck.EXPORT_WEIGHTS).is_file()   # exports are merged already
-    if lora: inject_lora(model, cfg.sft.lora_rank, cfg.sft.lora_alpha, 0.0, tuple(cfg.sft.lora_targets))
+    lora = meta.get("mode") == "lora" and not (path / ck.EXPORT_WEIGHTS).is_file()  # exports are merged already
+    if lora:
+        inject_lora(model, cfg.sft.lora_rank, cfg.sft.lora_alpha, 0.0, tuple(cfg.sft.lora_targets))
     ck.load_weights(path, model)
-    if lora: model = merge_lora(model)
+    if lora:
+        model = merge_lora(model)
     return model.to(resolve_device(str(device))).eval(), cfg, build_codec(cfg.data)
 
 # %% ../nbs/12_evaluate.ipynb #70fffeba
-@call_parse(pos=['path'])
+@call_parse(pos=["path"])
 def cipher_eval(
-    path:str=None,            # an export (RUN/final) or a complete checkpoint directory
-    mc:str=None,              # a multiple-choice jsonl (context/choices/label, or PIQA's goal/sol1/sol2/label)
-    mc_labels:str=None,       # PIQA's separate label file, one label per line
-    docs:int=32,              # held-out documents for bits per byte (each cut to data.max_bytes); 0 = skip
-    prompt:str=None,          # sample a reply to this prompt
-    chat:bool=False,          # send the prompt as a user message (SFT models) instead of plain text
-    max_new:int=200,          # most ids to sample
-    temperature:float=0.8,
-    top_k:int=0,
-    top_p:float=0.95,
-    seed:int=0,
-    device:str='auto',
+    path: str = None,  # an export (RUN/final) or a complete checkpoint directory
+    mc: str = None,  # a multiple-choice jsonl (context/choices/label, or PIQA's goal/sol1/sol2/label)
+    mc_labels: str = None,  # PIQA's separate label file, one label per line
+    docs: int = 32,  # held-out documents for bits per byte (each cut to data.max_bytes); 0 = skip
+    prompt: str = None,  # sample a reply to this prompt
+    chat: bool = False,  # send the prompt as a user message (SFT models) instead of plain text
+    max_new: int = 200,  # most ids to sample
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 0.95,
+    seed: int = 0,
+    device: str = "auto",
 ):
     "Held-out bits per byte, zero-shot multiple choice and a sample from a saved cipher_nb model."
-    if path is None: raise CliError("cipher-eval: give the path of an export (RUN/final) or a checkpoint")
+    if path is None:
+        raise CliError("cipher-eval: give the path of an export (RUN/final) or a checkpoint")
     try:
         model, cfg, codec = load_model(path, device)
         res = {}
         if docs:
-            texts = [d[:cfg.data.max_bytes or None] for d in source_documents(cfg.data, 'heldout', limit=docs)]
-            res['heldout'] = bits_per_byte(model, codec, texts, cfg.training.seq_len, cfg.training.batch_size)
-            print(f"held-out: {res['heldout']['val/bpb']:.4f} bits per byte, {res['heldout']['val/loss']:.4f} nats per target "
-                  f"({len(texts)} documents of data.source = {cfg.data.source})")
+            texts = [d[: cfg.data.max_bytes or None] for d in source_documents(cfg.data, "heldout", limit=docs)]
+            res["heldout"] = bits_per_byte(model, codec, texts, cfg.training.seq_len, cfg.training.batch_size)
+            print(
+                f"held-out: {res['heldout']['val/bpb']:.4f} bits per byte, {res['heldout']['val/loss']:.4f} nats per target "
+                f"({len(texts)} documents of data.source = {cfg.data.source})"
+            )
         if mc:
-            r = res['mc'] = multiple_choice(model, codec, load_mc(mc, mc_labels))
-            print(f"multiple choice ({Path(mc).name}, {r['n']} items): acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f}")
+            r = res["mc"] = multiple_choice(model, codec, load_mc(mc, mc_labels))
+            print(
+                f"multiple choice ({Path(mc).name}, {r['n']} items): acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f}"
+            )
         if prompt is not None:
-            res['sample'] = generate(model, codec, [dict(role='user', content=prompt)] if chat else prompt, max_new,
-                                     temperature, top_k, top_p, seed)
+            res["sample"] = generate(
+                model,
+                codec,
+                [dict(role="user", content=prompt)] if chat else prompt,
+                max_new,
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            )
             print(f"sample: {res['sample']!r}")
-    except (ck.CheckpointError, ConfigError, DataError, FileNotFoundError, ValueError) as e: raise CliError(f"cipher-eval: {e}")
+    except (ck.CheckpointError, ConfigError, DataError, FileNotFoundError, ValueError) as e:
+        raise CliError(f"cipher-eval: {e}")
     return res

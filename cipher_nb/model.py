@@ -17,49 +17,64 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig, param_counts, flops_per_token
-from .moe import MoE, SwiGLU
 from . import boundary as bd
+from .config import ModelConfig, flops_per_token, param_counts
+from .moe import MoE, SwiGLU
 
 # %% ../nbs/06_model.ipynb #03b0c918
-def rope_frequencies(head_dim:int, base:float=10000.0, scaling:float=1.0, orig_ctx:int=2048,
-                     beta_fast:float=32.0, beta_slow:float=1.0) -> tuple:
+def rope_frequencies(
+    head_dim: int,
+    base: float = 10000.0,
+    scaling: float = 1.0,
+    orig_ctx: int = 2048,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+) -> tuple:
     "Per-pair inverse frequencies [head_dim/2] and the attention scale (YaRN when `scaling` > 1)."
     inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if scaling <= 1: return inv.float(), 1.0
-    rotations = orig_ctx * inv / (2 * math.pi)            # turns each pair makes over the original context
-    ramp = ((rotations - beta_slow) / (beta_fast - beta_slow)).clamp(0, 1)   # 1 = fast (keep), 0 = slow (interpolate)
+    if scaling <= 1:
+        return inv.float(), 1.0
+    rotations = orig_ctx * inv / (2 * math.pi)  # turns each pair makes over the original context
+    ramp = ((rotations - beta_slow) / (beta_fast - beta_slow)).clamp(0, 1)  # 1 = fast (keep), 0 = slow (interpolate)
     inv = inv / scaling * (1 - ramp) + inv * ramp
     return inv.float(), 0.1 * math.log(scaling) + 1.0
 
 # %% ../nbs/06_model.ipynb #dc601769
-def rope_tables(positions:torch.Tensor, inv_freq:torch.Tensor, scale:float=1.0) -> tuple:
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> tuple:
     "cos and sin tables [..., T, head_dim/2] for integer `positions` [..., T]."
     ang = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     return ang.cos() * scale, ang.sin() * scale
 
-def apply_rope(x:torch.Tensor, cos:torch.Tensor, sin:torch.Tensor) -> torch.Tensor:
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     "Rotate channel pairs (first half, second half) of `x` [B, H, T, hd] by the tables [B or 1, T, hd/2]."
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None], sin[:, None]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 # %% ../nbs/06_model.ipynb #a6305dbe
-def attention_mask(T:int, doc_ids=None, window:int=0, valid=None, device=None):
+def attention_mask(T: int, doc_ids=None, window: int = 0, valid=None, device=None):
     "Boolean mask [B or 1, 1, T, T] (True = may attend), or None when plain causal attention suffices."
-    if doc_ids is None and not window and valid is None: return None
+    if doc_ids is None and not window and valid is None:
+        return None
     dev = device if doc_ids is None else doc_ids.device
     i = torch.arange(T, device=dev)
-    m = (i[:, None] >= i[None, :])[None]                           # [1, T, T] causal
-    if window: m = m & ((i[:, None] - i[None, :]) < window)[None]
-    if doc_ids is not None: m = m & (doc_ids[:, :, None] == doc_ids[:, None, :])
-    if valid is not None: m = m & valid[:, None, :] | torch.eye(T, dtype=torch.bool, device=dev)[None]   # a padded query still sees itself (no NaN)
+    m = (i[:, None] >= i[None, :])[None]  # [1, T, T] causal
+    if window:
+        m = m & ((i[:, None] - i[None, :]) < window)[None]
+    if doc_ids is not None:
+        m = m & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    if valid is not None:
+        m = (
+            m & valid[:, None, :] | torch.eye(T, dtype=torch.bool, device=dev)[None]
+        )  # a padded query still sees itself (no NaN)
     return m[:, None]
 
 # %% ../nbs/06_model.ipynb #cff6f25d
 class Attention(nn.Module):
     "Grouped-query causal self-attention with RoPE, through `scaled_dot_product_attention`."
-    def __init__(self, cfg:ModelConfig):
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, self.nh * self.hd, bias=False)
@@ -73,13 +88,16 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.wv(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.nkv != self.nh)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.nkv != self.nh
+        )
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 # %% ../nbs/06_model.ipynb #671fd902
 class Block(nn.Module):
     "Pre-norm transformer block: attention, then a dense SwiGLU or an MoE FFN."
-    def __init__(self, cfg:ModelConfig, moe:bool):
+
+    def __init__(self, cfg: ModelConfig, moe: bool):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
@@ -89,15 +107,17 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         h = self.ffn(self.ffn_norm(x))
-        if isinstance(h, tuple): h, aux, stats = h
-        else: aux, stats = {}, {}
+        if isinstance(h, tuple):
+            h, aux, stats = h
+        else:
+            aux, stats = {}, {}
         return x + h, aux, stats
 
 # %% ../nbs/06_model.ipynb #446dc244
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk):
-        acc = torch.promote_types(h.dtype, torch.float32)          # accumulate in fp32 (fp64 stays fp64)
+        acc = torch.promote_types(h.dtype, torch.float32)  # accumulate in fp32 (fp64 stays fp64)
         valid = labels != -100
         n = valid.sum().clamp(min=1)
         need_grad = h.requires_grad or weight.requires_grad
@@ -105,17 +125,18 @@ class _FusedLinearCE(torch.autograd.Function):
         gh = torch.zeros_like(h) if need_grad else None
         gw = torch.zeros_like(weight, dtype=acc) if need_grad else None
         for s in range(0, h.shape[0], chunk):
-            hc, yc, vc = h[s:s + chunk], labels[s:s + chunk].clamp(min=0), valid[s:s + chunk]
-            logits = (hc @ weight.t()).to(acc)                     # [chunk, V]: the only logits alive
-            lse = logits.logsumexp(-1)                             # [chunk]
+            hc, yc, vc = h[s : s + chunk], labels[s : s + chunk].clamp(min=0), valid[s : s + chunk]
+            logits = (hc @ weight.t()).to(acc)  # [chunk, V]: the only logits alive
+            lse = logits.logsumexp(-1)  # [chunk]
             loss = loss + ((lse - logits.gather(1, yc[:, None]).squeeze(1)) * vc).sum()
-            if need_grad:                                          # d loss / d logits = softmax - onehot, built in place
+            if need_grad:  # d loss / d logits = softmax - onehot, built in place
                 g = logits.sub_(lse[:, None]).exp_()
                 g[torch.arange(len(yc), device=g.device), yc] -= 1
                 g = g.mul_(vc[:, None].to(acc) / n)
-                gh[s:s + chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)
+                gh[s : s + chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)
                 gw += g.t() @ hc.to(acc)
-        if need_grad: ctx.save_for_backward(gh, gw.to(weight.dtype))
+        if need_grad:
+            ctx.save_for_backward(gh, gw.to(weight.dtype))
         return loss / n
 
     @staticmethod
@@ -124,7 +145,7 @@ class _FusedLinearCE(torch.autograd.Function):
         return gh * grad, gw * grad, None, None
 
 # %% ../nbs/06_model.ipynb #71cff089
-def fused_cross_entropy(h:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk:int=1024) -> torch.Tensor:
+def fused_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     "Mean cross-entropy of `h @ weight.T` against `labels` (-100 ignored), never holding more than `chunk` rows of logits."
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     return _FusedLinearCE.apply(h, weight, labels, max(1, chunk))
@@ -133,43 +154,58 @@ def fused_cross_entropy(h:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor
 @dataclass
 class ModelOutput:
     "What `CipherModel` returns: LM loss, logits (None when the loss ran in chunks), weighted aux losses, detached stats."
-    loss:torch.Tensor = None
-    logits:torch.Tensor = None
-    aux:dict = field(default_factory=dict)
-    stats:dict = field(default_factory=dict)
+
+    loss: torch.Tensor = None
+    logits: torch.Tensor = None
+    aux: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
 
 # %% ../nbs/06_model.ipynb #6a14dbb5
-def token_similarity(x:torch.Tensor) -> torch.Tensor:
+def token_similarity(x: torch.Tensor) -> torch.Tensor:
     "Mean pairwise cosine similarity between the token states of each sequence [B, T, D], averaged over the batch."
     u = F.normalize(x.float(), dim=-1)
     T = x.shape[1]
-    if T < 2: return x.new_zeros((), dtype=torch.float32)
-    s = u.sum(1).pow(2).sum(-1)                                     # |sum_i u_i|^2 per sequence
+    if T < 2:
+        return x.new_zeros((), dtype=torch.float32)
+    s = u.sum(1).pow(2).sum(-1)  # |sum_i u_i|^2 per sequence
     return ((s - T) / (T * (T - 1))).mean()
 
 # %% ../nbs/06_model.ipynb #686b0e62
 class LayerStats:
     "Collects per-layer MoE stats; a core block that runs every loop adds up its counts and averages the rest."
-    def __init__(self): self.sums, self.n = {}, {}
-    def add(self, layer:int, stats:dict):
+
+    def __init__(self):
+        self.sums, self.n = {}, {}
+
+    def add(self, layer: int, stats: dict):
         for k, v in stats.items():
-            key = f'layer{layer}/{k}'
+            key = f"layer{layer}/{k}"
             self.sums[key] = self.sums.get(key, 0) + v
             self.n[key] = self.n.get(key, 0) + 1
+
     def result(self) -> dict:
-        return {k: (v if k.endswith('/expert_counts') else v / self.n[k]).detach() for k, v in self.sums.items()}
+        return {k: (v if k.endswith("/expert_counts") else v / self.n[k]).detach() for k, v in self.sums.items()}
 
 # %% ../nbs/06_model.ipynb #1671d677
-RESIDUAL_OUT = ('wo.weight', 'w_down.weight', 'experts.w_down')   # attention out, dense/shared FFN down, routed experts' down
+RESIDUAL_OUT = (
+    "wo.weight",
+    "w_down.weight",
+    "experts.w_down",
+)  # attention out, dense/shared FFN down, routed experts' down
+
 
 class CipherModel(nn.Module):
     "Token- or byte-level MoE language model, optionally with a recurrent-depth core."
-    def __init__(self, cfg:ModelConfig):
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.layers = nn.ModuleList([Block(cfg, moe=cfg.n_routed > 0 and i >= cfg.n_dense_layers) for i in range(cfg.n_layers)])
-        if cfg.recurrent: self.inject = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
+        self.layers = nn.ModuleList(
+            [Block(cfg, moe=cfg.n_routed > 0 and i >= cfg.n_dense_layers) for i in range(cfg.n_layers)]
+        )
+        if cfg.recurrent:
+            self.inject = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
         if cfg.boundary:
             self.byte_in = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.n_byte_layers)])
             self.boundary = bd.BoundaryPredictor(cfg)
@@ -177,77 +213,108 @@ class CipherModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         inv, self.rope_scale = rope_frequencies(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, cfg.rope_orig_ctx)
-        self.register_buffer('inv_freq', inv, persistent=False)
+        self.register_buffer("inv_freq", inv, persistent=False)
         self.apply(self._init)
-        for n, p in self.named_parameters():   # GPT-2: every projection into the residual stream scaled down with depth
-            if n.endswith(RESIDUAL_OUT): nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        for n, p in self.named_parameters():  # GPT-2: every projection into the residual stream scaled down with depth
+            if n.endswith(RESIDUAL_OUT):
+                nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
     def _init(self, m):
-        if isinstance(m, (nn.Linear, nn.Embedding)): nn.init.normal_(m.weight, std=self.cfg.init_std)
-        if isinstance(m, nn.Linear) and m.bias is not None: nn.init.zeros_(m.bias)
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=self.cfg.init_std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     @property
-    def output_weight(self): return self.embed.weight if self.head is None else self.head.weight
+    def output_weight(self):
+        return self.embed.weight if self.head is None else self.head.weight
 
 # %% ../nbs/06_model.ipynb #a0a9c167
-def _run(blocks, x, cos, sin, mask, aux:dict, acc:LayerStats, offset:int):
+def _run(blocks, x, cos, sin, mask, aux: dict, acc: LayerStats, offset: int):
     "Run `blocks` in order; add their aux losses to `aux` and stats to `acc`; return x and their router entropies."
     ents = []
     for i, blk in enumerate(blocks):
         x, a, s = blk(x, cos, sin, mask)
-        for k, v in a.items(): aux[k] = aux.get(k, 0) + v
+        for k, v in a.items():
+            aux[k] = aux.get(k, 0) + v
         acc.add(offset + i, s)
-        if 'router_entropy' in s: ents.append(s['router_entropy'])
+        if "router_entropy" in s:
+            ents.append(s["router_entropy"])
     return x, ents
 
-def _loop_count(cfg:ModelConfig, training:bool, n_loops) -> int:
-    if n_loops is not None: return int(n_loops)
-    if training and cfg.random_loops:   # 1 + Poisson(n_loops - 1): mean n_loops, capped at twice that
+
+def _loop_count(cfg: ModelConfig, training: bool, n_loops) -> int:
+    if n_loops is not None:
+        return int(n_loops)
+    if training and cfg.random_loops:  # 1 + Poisson(n_loops - 1): mean n_loops, capped at twice that
         return int(min(1 + torch.poisson(torch.tensor(float(cfg.n_loops - 1))).item(), 2 * cfg.n_loops))
     return cfg.n_loops
 
-def _loop_stats(states:list, entropies:list) -> dict:
+
+def _loop_stats(states: list, entropies: list) -> dict:
     "Per-loop state norm, relative change, token similarity and routing entropy, as [loops] tensors."
     norms = torch.stack([s.float().norm(dim=-1).mean() for s in states])
     zero = torch.zeros((), device=states[0].device)
-    res = torch.stack([zero] + [(b - a).float().norm() / b.float().norm().clamp(min=1e-6) for a, b in zip(states, states[1:])])
-    out = {'loop/norm': norms, 'loop/residual': res, 'loop/token_corr': torch.stack([token_similarity(s) for s in states])}
-    if entropies: out['loop/entropy'] = torch.stack(entropies)
+    res = torch.stack(
+        [zero] + [(b - a).float().norm() / b.float().norm().clamp(min=1e-6) for a, b in zip(states, states[1:])]
+    )
+    out = {
+        "loop/norm": norms,
+        "loop/residual": res,
+        "loop/token_corr": torch.stack([token_similarity(s) for s in states]),
+    }
+    if entropies:
+        out["loop/entropy"] = torch.stack(entropies)
     return out
 
 # %% ../nbs/06_model.ipynb #61f8222d
-def main_stack(self:CipherModel, x, cos, sin, mask, aux:dict, acc:LayerStats, n_loops=None):
+def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats, n_loops=None):
     "The main blocks over tokens (or segments): plain, or prelude -> core x n_loops -> coda. Returns x and loop stats."
     cfg = self.cfg
-    if not cfg.recurrent: return _run(self.layers, x, cos, sin, mask, aux, acc, 0)[0], {}
+    if not cfg.recurrent:
+        return _run(self.layers, x, cos, sin, mask, aux, acc, 0)[0], {}
     p, c = cfg.n_prelude, cfg.n_core
     e, _ = _run(self.layers[:p], x, cos, sin, mask, aux, acc, 0)
     loops = _loop_count(cfg, self.training, n_loops)
     keep = loops if cfg.backprop_loops <= 0 else min(cfg.backprop_loops, loops)
     state, states, entropies = torch.zeros_like(e), [], []
     for k in range(loops):
-        with torch.set_grad_enabled(torch.is_grad_enabled() and k >= loops - keep):   # truncated backprop
-            state, ents = _run(self.layers[p:p + c], self.inject(torch.cat([state, e], -1)), cos, sin, mask,
-                               aux if torch.is_grad_enabled() else {}, acc, p)
-        if ents: entropies.append(torch.stack(ents).mean())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and k >= loops - keep):  # truncated backprop
+            state, ents = _run(
+                self.layers[p : p + c],
+                self.inject(torch.cat([state, e], -1)),
+                cos,
+                sin,
+                mask,
+                aux if torch.is_grad_enabled() else {},
+                acc,
+                p,
+            )
+        if ents:
+            entropies.append(torch.stack(ents).mean())
         states.append(state.detach())
-    x, _ = _run(self.layers[p + c:], state, cos, sin, mask, aux, acc, p + c)
+    x, _ = _run(self.layers[p + c :], state, cos, sin, mask, aux, acc, p + c)
     return x, _loop_stats(states, entropies)
+
 
 CipherModel.main_stack = main_stack
 
 # %% ../nbs/06_model.ipynb #685cece5
-def _positions(B:int, T:int, position_ids, device):
+def _positions(B: int, T: int, position_ids, device):
     return position_ids if position_ids is not None else torch.arange(T, device=device)[None].expand(B, T)
 
-def forward(self:CipherModel, input_ids, labels=None, doc_ids=None, position_ids=None, n_loops=None, bp_mode=None) -> ModelOutput:
+
+def forward(
+    self: CipherModel, input_ids, labels=None, doc_ids=None, position_ids=None, n_loops=None, bp_mode=None
+) -> ModelOutput:
     "LM loss (when `labels` are given), logits (when they are not, or `loss_chunk` is 0), weighted aux losses and stats."
     cfg, (B, T) = self.cfg, input_ids.shape
     aux, acc = {}, LayerStats()
     x = self.embed(input_ids)
     cos, sin = rope_tables(_positions(B, T, position_ids, x.device), self.inv_freq, self.rope_scale)
     mask = attention_mask(T, doc_ids, cfg.sliding_window, device=x.device)
-    if not cfg.boundary: x, stats = self.main_stack(x, cos, sin, mask, aux, acc, n_loops)
+    if not cfg.boundary:
+        x, stats = self.main_stack(x, cos, sin, mask, aux, acc, n_loops)
     else:
         x, _ = _run(self.byte_in, x, cos, sin, mask, aux, acc, 0)
         seg = self.boundary(x, doc_ids=doc_ids, mode=bp_mode)
@@ -258,14 +325,17 @@ def forward(self:CipherModel, input_ids, labels=None, doc_ids=None, position_ids
         seg_out, stats = self.main_stack(seg_h, scos, ssin, smask, aux, acc, n_loops)
         x = x + bd.upsample(seg_out, seg, self.boundary.null)
         x, _ = _run(self.byte_out, x, cos, sin, mask, aux, acc, 0)
-        aux['bp'] = bd.bp_loss(seg, cfg)
+        aux["bp"] = bd.bp_loss(seg, cfg)
         stats = {**stats, **bd.boundary_stats(seg)}
     x = self.norm(x)
     stats = {**acc.result(), **{k: v.detach() for k, v in stats.items()}}
     if labels is not None and cfg.loss_chunk > 0:
         return ModelOutput(fused_cross_entropy(x, self.output_weight, labels, cfg.loss_chunk), None, aux, stats)
     logits = F.linear(x, self.output_weight)
-    loss = None if labels is None else F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss = (
+        None if labels is None else F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    )
     return ModelOutput(loss, logits, aux, stats)
+
 
 CipherModel.forward = forward

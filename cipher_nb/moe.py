@@ -15,36 +15,40 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed as dist
 
 from .config import ModelConfig
 
 # %% ../nbs/05_moe.ipynb #b148d56f
 class SwiGLU(nn.Module):
     "A dense SwiGLU feed-forward network: `w_down(silu(w_gate(x)) * w_up(x))`, no biases."
-    def __init__(self, d_model:int, hidden:int):
+
+    def __init__(self, d_model: int, hidden: int):
         super().__init__()
         self.w_gate = nn.Linear(d_model, hidden, bias=False)
         self.w_up = nn.Linear(d_model, hidden, bias=False)
         self.w_down = nn.Linear(hidden, d_model, bias=False)
 
-    def forward(self, x): return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 # %% ../nbs/05_moe.ipynb #03e27caf
-def route(logits, top_k:int, score:str='softmax', renorm:bool=True, scale:float=1.0, bias=None):
+def route(logits, top_k: int, score: str = "softmax", renorm: bool = True, scale: float = 1.0, bias=None):
     "Scores [N,E], chosen experts [N,k] and their gates [N,k] from fp32 router logits; `bias` changes only the choice."
-    if score not in ('softmax', 'sigmoid'): raise ValueError(f"router score '{score}' unknown: use model.router_score = 'softmax' or 'sigmoid'")
-    scores = logits.softmax(-1) if score == 'softmax' else logits.sigmoid()
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"router score '{score}' unknown: use model.router_score = 'softmax' or 'sigmoid'")
+    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     choice = scores if bias is None else scores + bias
-    idx = choice.topk(top_k, dim=-1).indices                  # [N, k]
-    gates = scores.gather(-1, idx)                            # [N, k] unbiased scores of the chosen experts
-    if renorm: gates = gates / gates.sum(-1, keepdim=True)
+    idx = choice.topk(top_k, dim=-1).indices  # [N, k]
+    gates = scores.gather(-1, idx)  # [N, k] unbiased scores of the chosen experts
+    if renorm:
+        gates = gates / gates.sum(-1, keepdim=True)
     return scores, idx, gates * scale
 
 # %% ../nbs/05_moe.ipynb #d6029a4e
-def expert_counts(idx, n_experts:int):
+def expert_counts(idx, n_experts: int):
     "Assignments per expert, int64 [E], from chosen experts idx [N,k], without a host sync."
     flat = idx.flatten()
     return torch.zeros(n_experts, dtype=torch.long, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -54,9 +58,11 @@ def router_z_loss(logits):
     "ST-MoE z-loss: mean over tokens of logsumexp(logits)^2."
     return logits.logsumexp(-1).square().mean()
 
-def router_probs(scores, score:str='softmax'):
+
+def router_probs(scores, score: str = "softmax"):
     "Each token's routing distribution: the softmax itself, or the sigmoid scores normalised to sum to one."
-    return scores if score == 'softmax' else scores / scores.sum(-1, keepdim=True)
+    return scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
+
 
 def balance_loss(probs, idx):
     "Switch balance loss `E * sum_i f_i * P_i`: f from the choices in `idx` [N,k], P the mean of `probs` [N,E]."
@@ -65,15 +71,16 @@ def balance_loss(probs, idx):
     return E * (f * probs.mean(0)).sum()
 
 # %% ../nbs/05_moe.ipynb #0fec19e4
-def ortho_loss(router_w, n_pop_a:int):
+def ortho_loss(router_w, n_pop_a: int):
     "Mean squared cosine similarity between the router vectors of experts [0, n_pop_a) and [n_pop_a, E)."
     w = F.normalize(router_w.float(), dim=-1)
     return (w[:n_pop_a] @ w[n_pop_a:].T).square().mean()
 
-def cross_pop_overlap(gates, idx, n_pop_a:int, eps:float=1e-12):
+
+def cross_pop_overlap(gates, idx, n_pop_a: int, eps: float = 1e-12):
     "Cosine similarity over tokens between the gate mass each token gives population A and population B."
     in_a = idx < n_pop_a
-    m_a, m_b = (gates * in_a).sum(-1), (gates * ~in_a).sum(-1)   # [N] each
+    m_a, m_b = (gates * in_a).sum(-1), (gates * ~in_a).sum(-1)  # [N] each
     return (m_a * m_b).sum() / (m_a.norm() * m_b.norm()).clamp_min(eps)
 
 # %% ../nbs/05_moe.ipynb #932f64ba
@@ -81,44 +88,57 @@ def expert_load_stats(counts) -> dict:
     "Max load / mean load, entropy of the load distribution (nats) and fraction of dead experts, from counts [E]."
     c = counts.float()
     p = c / c.sum().clamp_min(1)
-    return dict(max_ratio=c.max() / c.mean().clamp_min(1e-12), entropy=-torch.xlogy(p, p).sum(),
-                dead_frac=(c == 0).float().mean())
+    return dict(
+        max_ratio=c.max() / c.mean().clamp_min(1e-12),
+        entropy=-torch.xlogy(p, p).sum(),
+        dead_frac=(c == 0).float().mean(),
+    )
 
 # %% ../nbs/05_moe.ipynb #afad60a4
-GROUP_ALIGN = 16   # rows per expert block for the grouped kernels (fp8 needs 16; bf16 and fp32 need none)
+GROUP_ALIGN = 16  # rows per expert block for the grouped kernels (fp8 needs 16; bf16 and fp32 need none)
+
 
 @dataclass
 class DispatchPlan:
     "Where each (token, choice) assignment sits in an expert-sorted buffer."
-    counts:torch.Tensor      # [E] assignments per expert
-    asg:torch.Tensor         # [rows] assignment (token * k + choice) in each row; N * k on padding rows
-    src:torch.Tensor         # [rows] token each row reads (any valid token on padding rows)
-    slot:torch.Tensor        # [N * k] row holding each assignment
-    offs:torch.Tensor|None   # [E] int32 end row of each expert's block (grouped), or None (bmm)
-    capacity:int             # rows per expert (bmm), 0 for grouped
-    k:int                    # choices per token
-    @property
-    def rows(self) -> int: return self.asg.numel()
-    @property
-    def n_tokens(self) -> int: return self.slot.numel() // self.k
 
-def dispatch_plan(idx, n_experts:int, align:int=GROUP_ALIGN, capacity:int|None=None, counts=None) -> DispatchPlan:
+    counts: torch.Tensor  # [E] assignments per expert
+    asg: torch.Tensor  # [rows] assignment (token * k + choice) in each row; N * k on padding rows
+    src: torch.Tensor  # [rows] token each row reads (any valid token on padding rows)
+    slot: torch.Tensor  # [N * k] row holding each assignment
+    offs: torch.Tensor | None  # [E] int32 end row of each expert's block (grouped), or None (bmm)
+    capacity: int  # rows per expert (bmm), 0 for grouped
+    k: int  # choices per token
+
+    @property
+    def rows(self) -> int:
+        return self.asg.numel()
+
+    @property
+    def n_tokens(self) -> int:
+        return self.slot.numel() // self.k
+
+
+def dispatch_plan(
+    idx, n_experts: int, align: int = GROUP_ALIGN, capacity: int | None = None, counts=None
+) -> DispatchPlan:
     "Sort the assignments of `idx` [N,k] by expert: blocks rounded up to `align` rows, or `capacity` rows each."
     N, k = idx.shape
     n, dev = N * k, idx.device
     flat = idx.reshape(-1)
-    if counts is None: counts = expert_counts(idx, n_experts)
-    e_sorted, order = flat.to(torch.int32).sort(stable=True)   # int32 keys sort faster
+    if counts is None:
+        counts = expert_counts(idx, n_experts)
+    e_sorted, order = flat.to(torch.int32).sort(stable=True)  # int32 keys sort faster
     e_sorted = e_sorted.long()
-    starts = counts.cumsum(0) - counts                          # [E] first sorted position of each expert
+    starts = counts.cumsum(0) - counts  # [E] first sorted position of each expert
     if capacity is None:
         sizes = (counts + align - 1) // align * align
-        block = sizes.cumsum(0) - sizes                          # [E] first row of each block
-        rows = (n + n_experts * (align - 1) + align - 1) // align * align   # fixed: no host sync
-        offs = torch.cat([block[1:], block.new_full((1,), rows)]).to(torch.int32)   # new_full: no host-to-device copy
+        block = sizes.cumsum(0) - sizes  # [E] first row of each block
+        rows = (n + n_experts * (align - 1) + align - 1) // align * align  # fixed: no host sync
+        offs = torch.cat([block[1:], block.new_full((1,), rows)]).to(torch.int32)  # new_full: no host-to-device copy
     else:
         block, rows, offs = torch.arange(n_experts, device=dev) * capacity, n_experts * capacity, None
-    row = block[e_sorted] + torch.arange(n, device=dev) - starts[e_sorted]   # [n] row of each sorted assignment
+    row = block[e_sorted] + torch.arange(n, device=dev) - starts[e_sorted]  # [n] row of each sorted assignment
     asg = torch.full((rows,), n, dtype=torch.long, device=dev)
     asg[row] = order
     slot = torch.empty_like(row)
@@ -126,51 +146,71 @@ def dispatch_plan(idx, n_experts:int, align:int=GROUP_ALIGN, capacity:int|None=N
     return DispatchPlan(counts, asg, (asg // k).clamp_max(N - 1), slot, offs, capacity or 0, k)
 
 # %% ../nbs/05_moe.ipynb #299883b0
-def sum_token_rows(rows, p:DispatchPlan, by_gather:bool=True):
+def sum_token_rows(rows, p: DispatchPlan, by_gather: bool = True):
     "Each token's sum of the rows that hold its assignments: [rows, d] -> [N, d]."
-    if by_gather: return rows.index_select(0, p.slot).view(p.n_tokens, p.k, -1).sum(1)
-    return rows.new_zeros(p.n_tokens, rows.shape[-1]).index_add_(0, p.src, rows)   # padding rows are zero
+    if by_gather:
+        return rows.index_select(0, p.slot).view(p.n_tokens, p.k, -1).sum(1)
+    return rows.new_zeros(p.n_tokens, rows.shape[-1]).index_add_(0, p.src, rows)  # padding rows are zero
+
 
 class _Dispatch(torch.autograd.Function):
     "Tokens into the buffer, x [N,d] -> [rows,d]; the backward sums each token's rows."
+
     @staticmethod
     def forward(ctx, x, p, by_gather):
         ctx.p, ctx.by_gather = p, by_gather
         return x.index_select(0, p.src)
+
     @staticmethod
-    def backward(ctx, g): return sum_token_rows(g, ctx.p, ctx.by_gather), None, None
+    def backward(ctx, g):
+        return sum_token_rows(g, ctx.p, ctx.by_gather), None, None
+
 
 class _Combine(torch.autograd.Function):
     "Buffer rows back to tokens, [rows,d] -> [N,d] (each token the sum of its rows); the backward gathers."
+
     @staticmethod
     def forward(ctx, o, p, by_gather):
         ctx.p = p
         return sum_token_rows(o, p, by_gather)
+
     @staticmethod
-    def backward(ctx, g): return g.index_select(0, ctx.p.src), None, None
+    def backward(ctx, g):
+        return g.index_select(0, ctx.p.src), None, None
+
 
 class _RowGates(torch.autograd.Function):
     "The gate of each buffer row, gates [N*k] -> [rows] (0 on padding rows); the backward gathers each assignment's row."
+
     @staticmethod
     def forward(ctx, gates, p):
         ctx.p = p
         return F.pad(gates, (0, 1)).index_select(0, p.asg)
+
     @staticmethod
-    def backward(ctx, g): return g.index_select(0, ctx.p.slot), None
+    def backward(ctx, g):
+        return g.index_select(0, ctx.p.slot), None
 
 # %% ../nbs/05_moe.ipynb #63369b1f
-_GROUPED_MM = getattr(F, 'grouped_mm', None) or getattr(torch, '_grouped_mm', None)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
 
 class _DenseGrad(torch.autograd.Function):
     "Identity whose backward makes the incoming gradient contiguous (for `_grouped_mm`'s backward)."
+
     @staticmethod
-    def forward(ctx, x): return x.view_as(x)
+    def forward(ctx, x):
+        return x.view_as(x)
+
     @staticmethod
-    def backward(ctx, g): return g.contiguous()
+    def backward(ctx, g):
+        return g.contiguous()
+
 
 def grouped_mm(a, b, offs):
     "`a` [rows, K] block by block times `b` [E, K, M] (offs [E] int32 block ends); any upstream gradient works."
-    if _GROUPED_MM is None: raise RuntimeError(f"torch {torch.__version__} has no grouped_mm: set model.moe_impl to 'bmm' or 'auto'")
+    if _GROUPED_MM is None:
+        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm: set model.moe_impl to 'bmm' or 'auto'")
     return _DenseGrad.apply(_GROUPED_MM(a, b, offs=offs))
 
 # %% ../nbs/05_moe.ipynb #f7bd337a
@@ -179,86 +219,109 @@ def compute_dtype(x):
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
+
 def _experts_loop(x, idx, gates, wg, wu, wd, y):
     "Reference path: one expert at a time over the tokens that chose it, added into `y`."
     for e in range(wg.shape[0]):
         tok, j = (idx == e).nonzero(as_tuple=True)
-        if tok.numel() == 0: continue
+        if tok.numel() == 0:
+            continue
         xe = x[tok]
         h = F.silu(F.linear(xe, wg[e])) * F.linear(xe, wu[e]) * gates[tok, j, None]
         y.index_add_(0, tok, F.linear(h, wd[e]))
     return y
 
+
 class RoutedExperts(nn.Module):
     "`n` SwiGLU experts with stacked weights; `forward(x, idx, gates, impl)` sums each token's gated choices."
-    def __init__(self, n:int, d_model:int, hidden:int):
+
+    def __init__(self, n: int, d_model: int, hidden: int):
         super().__init__()
         self.w_gate = nn.Parameter(torch.empty(n, hidden, d_model))
         self.w_up = nn.Parameter(torch.empty(n, hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n, d_model, hidden))
 
-    def forward(self, x, idx, gates, impl:str='bmm', counts=None):
+    def forward(self, x, idx, gates, impl: str = "bmm", counts=None):
         "x [N,d], idx and gates [N,k] -> [N,d] through the `grouped`, `bmm` or `loop` path."
         dt = compute_dtype(x)
         x, gates = x.to(dt), gates.to(dt)
         wg, wu, wd = (w.to(dt) for w in (self.w_gate, self.w_up, self.w_down))
-        if impl == 'loop': return _experts_loop(x, idx, gates, wg, wu, wd, torch.zeros_like(x))
+        if impl == "loop":
+            return _experts_loop(x, idx, gates, wg, wu, wd, torch.zeros_like(x))
         E = wg.shape[0]
-        if counts is None: counts = expert_counts(idx, E)
-        if impl == 'grouped':
+        if counts is None:
+            counts = expert_counts(idx, E)
+        if impl == "grouped":
             p = dispatch_plan(idx, E, counts=counts)
             mm = lambda a, w: grouped_mm(a, w.mT, p.offs)
-        elif impl == 'bmm':
-            cap = int(counts.max())                                        # host sync
+        elif impl == "bmm":
+            cap = int(counts.max())  # host sync
             p = dispatch_plan(idx, E, capacity=cap, counts=counts)
             mm = lambda a, w: torch.bmm(a.view(E, cap, -1), w.mT).flatten(0, 1)
-        else: raise ValueError(f"MoE path '{impl}' unknown: use model.moe_impl = 'auto', 'grouped', 'bmm' or 'loop'")
-        by_gather = x.device.type != 'cpu'
-        g = _RowGates.apply(gates.flatten(), p)[:, None]                     # [rows, 1], 0 on padding rows
-        xs = _Dispatch.apply(x, p, by_gather)                               # [rows, d]
-        a, b = mm(xs, torch.cat([wg, wu], 1)).chunk(2, -1)                  # gate and up in one product
-        h = F.silu(a) * b * g                                               # [rows, hidden]
-        return _Combine.apply(mm(h, wd), p, by_gather)                      # [N, d]
+        else:
+            raise ValueError(f"MoE path '{impl}' unknown: use model.moe_impl = 'auto', 'grouped', 'bmm' or 'loop'")
+        by_gather = x.device.type != "cpu"
+        g = _RowGates.apply(gates.flatten(), p)[:, None]  # [rows, 1], 0 on padding rows
+        xs = _Dispatch.apply(x, p, by_gather)  # [rows, d]
+        a, b = mm(xs, torch.cat([wg, wu], 1)).chunk(2, -1)  # gate and up in one product
+        h = F.silu(a) * b * g  # [rows, hidden]
+        return _Combine.apply(mm(h, wd), p, by_gather)  # [N, d]
 
 # %% ../nbs/05_moe.ipynb #9de4ba0d
-MOE_IMPLS = ('grouped', 'bmm', 'loop')
-GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what `_grouped_mm` multiplies (no float64)
+MOE_IMPLS = ("grouped", "bmm", "loop")
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what `_grouped_mm` multiplies (no float64)
 
-def resolve_moe_impl(impl:str, device, dtype=torch.float32, d_model:int=8, hidden:int=8) -> str:
+
+def resolve_moe_impl(impl: str, device, dtype=torch.float32, d_model: int = 8, hidden: int = 8) -> str:
     "The expert path for `impl` ('auto' or a forced one) on `device` at `dtype`, with a clear error when it cannot run."
     device = torch.device(device)
     aligned = d_model % 8 == 0 and hidden % 8 == 0
-    if impl == 'auto':
-        hopper_bf16 = device.type == 'cuda' and torch.cuda.get_device_capability(device) >= (9, 0) and dtype == torch.bfloat16
-        cpu = device.type == 'cpu' and dtype in GROUPED_DTYPES
-        return 'grouped' if (cpu or hopper_bf16) and _GROUPED_MM is not None and aligned else 'bmm'
-    if impl not in MOE_IMPLS: raise ValueError(f"model.moe_impl = {impl!r} unknown: use 'auto', {', '.join(map(repr, MOE_IMPLS))}")
-    if impl == 'grouped':
-        if _GROUPED_MM is None: raise ValueError(f"model.moe_impl = 'grouped' needs torch._grouped_mm, absent in torch {torch.__version__}: use 'bmm'")
-        if not aligned: raise ValueError(f"model.moe_impl = 'grouped' needs model.d_model ({d_model}) and model.expert_d_ff ({hidden}) divisible by 8: use 'bmm' or change them")
-        if dtype not in GROUPED_DTYPES: raise ValueError(f"model.moe_impl = 'grouped' multiplies in float32, bfloat16 or float16, not {dtype}: use 'bmm' or 'auto'")
+    if impl == "auto":
+        hopper_bf16 = (
+            device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) and dtype == torch.bfloat16
+        )
+        cpu = device.type == "cpu" and dtype in GROUPED_DTYPES
+        return "grouped" if (cpu or hopper_bf16) and _GROUPED_MM is not None and aligned else "bmm"
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"model.moe_impl = {impl!r} unknown: use 'auto', {', '.join(map(repr, MOE_IMPLS))}")
+    if impl == "grouped":
+        if _GROUPED_MM is None:
+            raise ValueError(
+                f"model.moe_impl = 'grouped' needs torch._grouped_mm, absent in torch {torch.__version__}: use 'bmm'"
+            )
+        if not aligned:
+            raise ValueError(
+                f"model.moe_impl = 'grouped' needs model.d_model ({d_model}) and model.expert_d_ff ({hidden}) divisible by 8: use 'bmm' or change them"
+            )
+        if dtype not in GROUPED_DTYPES:
+            raise ValueError(
+                f"model.moe_impl = 'grouped' multiplies in float32, bfloat16 or float16, not {dtype}: use 'bmm' or 'auto'"
+            )
     return impl
 
 # %% ../nbs/05_moe.ipynb #d1591b58
 def _in_backward() -> bool:
     "True while the autograd engine runs (e.g. a checkpointed forward being recomputed)."
-    task = getattr(torch._C, '_current_graph_task_id', None)
+    task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 
 # %% ../nbs/05_moe.ipynb #c4d614b1
 class MoE(nn.Module):
     "Routed + shared SwiGLU experts with fp32 routing, loss-free balancing, weighted aux losses and statistics."
-    def __init__(self, cfg:ModelConfig):
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.n_routed < 1 or not 1 <= cfg.top_k <= cfg.n_routed:
-            raise ValueError(f"MoE needs model.n_routed >= 1 and 1 <= model.top_k <= model.n_routed, got {cfg.n_routed} and {cfg.top_k}")
+            raise ValueError(
+                f"MoE needs model.n_routed >= 1 and 1 <= model.top_k <= model.n_routed, got {cfg.n_routed} and {cfg.top_k}"
+            )
         self.cfg = cfg
         E, d, h = cfg.n_routed, cfg.d_model, cfg.expert_d_ff
         self.router = nn.Linear(d, E, bias=False)
         self.experts = RoutedExperts(E, d, h)
         self.shared = SwiGLU(d, cfg.n_shared * h) if cfg.n_shared > 0 else None
-        self.register_buffer('expert_bias', torch.zeros(E))
-        self.pending_load = None      # [E] int64 counts since the last bias update (not a buffer: see above)
+        self.register_buffer("expert_bias", torch.zeros(E))
+        self.pending_load = None  # [E] int64 counts since the last bias update (not a buffer: see above)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -269,78 +332,103 @@ class MoE(nn.Module):
 # %% ../nbs/05_moe.ipynb #35dd0346
 from fastcore.basics import patch
 
-@patch
-def forward(self:MoE, x):
-    "x [B,T,d] -> (y [B,T,d], aux: weighted losses, stats: detached monitor tensors)."
-    c = self.cfg
-    if x.shape[-1] != c.d_model: raise ValueError(f"MoE input has {x.shape[-1]} features, model.d_model is {c.d_model}")
-    xf = x.reshape(-1, c.d_model)                                            # [N, d]
-    with torch.autocast(x.device.type, enabled=False):
-        logits = F.linear(xf.float(), self.router.weight.float())            # [N, E] fp32
-    scores, idx, gates = route(logits, c.top_k, c.router_score, c.router_renorm, c.route_scale,
-                               self.expert_bias.float() if c.bias_balance else None)
-    counts = expert_counts(idx, c.n_routed)                                 # [E]
-    if self.training and not _in_backward(): self._add_load(counts)
-    impl = resolve_moe_impl(c.moe_impl, x.device, compute_dtype(xf), c.d_model, c.expert_d_ff)
-    y = self.experts(xf, idx, gates, impl, counts)
-    if self.shared is not None: y = y + self.shared(xf)
-    lse = logits.logsumexp(-1)                                               # [N]
-    return y.view(x.shape), self._aux(lse, scores, idx), self._stats(logits, lse, scores, idx, gates, counts)
 
 @patch
-def _add_load(self:MoE, counts):
+def forward(self: MoE, x):
+    "x [B,T,d] -> (y [B,T,d], aux: weighted losses, stats: detached monitor tensors)."
+    c = self.cfg
+    if x.shape[-1] != c.d_model:
+        raise ValueError(f"MoE input has {x.shape[-1]} features, model.d_model is {c.d_model}")
+    xf = x.reshape(-1, c.d_model)  # [N, d]
+    with torch.autocast(x.device.type, enabled=False):
+        logits = F.linear(xf.float(), self.router.weight.float())  # [N, E] fp32
+    scores, idx, gates = route(
+        logits,
+        c.top_k,
+        c.router_score,
+        c.router_renorm,
+        c.route_scale,
+        self.expert_bias.float() if c.bias_balance else None,
+    )
+    counts = expert_counts(idx, c.n_routed)  # [E]
+    if self.training and not _in_backward():
+        self._add_load(counts)
+    impl = resolve_moe_impl(c.moe_impl, x.device, compute_dtype(xf), c.d_model, c.expert_d_ff)
+    y = self.experts(xf, idx, gates, impl, counts)
+    if self.shared is not None:
+        y = y + self.shared(xf)
+    lse = logits.logsumexp(-1)  # [N]
+    return y.view(x.shape), self._aux(lse, scores, idx), self._stats(logits, lse, scores, idx, gates, counts)
+
+
+@patch
+def _add_load(self: MoE, counts):
     if self.pending_load is None or self.pending_load.device != counts.device:
         self.pending_load = torch.zeros_like(counts)
     self.pending_load += counts
 
+
 @patch
-def _aux(self:MoE, lse, scores, idx) -> dict:
+def _aux(self: MoE, lse, scores, idx) -> dict:
     "The weighted auxiliary losses whose weight is positive."
     c, aux = self.cfg, {}
-    if c.z_loss_weight > 0: aux['z'] = c.z_loss_weight * lse.square().mean()
-    if c.balance_loss_weight > 0: aux['balance'] = c.balance_loss_weight * balance_loss(router_probs(scores, c.router_score), idx)
-    if c.n_pop_a > 0 and c.ortho_weight > 0: aux['ortho'] = c.ortho_weight * ortho_loss(self.router.weight, c.n_pop_a)
+    if c.z_loss_weight > 0:
+        aux["z"] = c.z_loss_weight * lse.square().mean()
+    if c.balance_loss_weight > 0:
+        aux["balance"] = c.balance_loss_weight * balance_loss(router_probs(scores, c.router_score), idx)
+    if c.n_pop_a > 0 and c.ortho_weight > 0:
+        aux["ortho"] = c.ortho_weight * ortho_loss(self.router.weight, c.n_pop_a)
     return aux
+
 
 @patch
 @torch.no_grad()
-def _stats(self:MoE, logits, lse, scores, idx, gates, counts) -> dict:
+def _stats(self: MoE, logits, lse, scores, idx, gates, counts) -> dict:
     "Detached statistics for the monitor (no host sync)."
     c = self.cfg
     p = router_probs(scores, c.router_score)
     s = dict(expert_counts=counts.float(), router_entropy=-torch.xlogy(p, p).sum(-1).mean(), router_lse=lse.mean())
-    if c.n_pop_a > 0: s['cross_pop_overlap'] = cross_pop_overlap(gates.float(), idx, c.n_pop_a)
+    if c.n_pop_a > 0:
+        s["cross_pop_overlap"] = cross_pop_overlap(gates.float(), idx, c.n_pop_a)
     return s
 
 # %% ../nbs/05_moe.ipynb #b9bd401f
 @patch
-def take_load(self:MoE):
+def take_load(self: MoE):
     "The counts since the last update (zeros if none), and reset them."
     load = torch.zeros_like(self.expert_bias, dtype=torch.long) if self.pending_load is None else self.pending_load
     self.pending_load = None
     return load
 
+
 @patch
 @torch.no_grad()
-def apply_load(self:MoE, load):
+def apply_load(self: MoE, load):
     "One DeepSeek-V3 step: `bias += gamma * sign(mean - load)`, mean-centred; nothing when bias balancing is off."
-    if not self.cfg.bias_balance: return
+    if not self.cfg.bias_balance:
+        return
     load = load.to(self.expert_bias.device, torch.float32)
     step = self.cfg.bias_gamma * torch.sign(load.mean() - load)
     self.expert_bias += step - step.mean()
 
+
 @patch
-def update_bias(self:MoE):
+def update_bias(self: MoE):
     "Update the balancing bias from this step's counts (summed across ranks when distributed)."
     load = self.take_load()
-    if dist.is_available() and dist.is_initialized(): dist.all_reduce(load)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(load)
     self.apply_load(load)
 
-def update_moe_biases(model:nn.Module) -> int:
+
+def update_moe_biases(model: nn.Module) -> int:
     "Update the bias of every `MoE` in `model` from this step's counts, one all-reduce for all; returns how many."
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
-    if not blocks: return 0
-    loads = torch.stack([m.take_load().to(blocks[0].expert_bias.device) for m in blocks])   # [layers, E]
-    if dist.is_available() and dist.is_initialized(): dist.all_reduce(loads)
-    for m, load in zip(blocks, loads): m.apply_load(load)
+    if not blocks:
+        return 0
+    loads = torch.stack([m.take_load().to(blocks[0].expert_bias.device) for m in blocks])  # [layers, E]
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(loads)
+    for m, load in zip(blocks, loads):
+        m.apply_load(load)
     return len(blocks)

@@ -13,56 +13,83 @@ __all__ = ['PEAK_BF16_FLOPS', 'HostSyncCounter', 'to_host', 'expert_load_metrics
            'gate', 'gate_passed', 'format_gate', 'read_metrics', 'cipher_gate']
 
 # %% ../nbs/07_monitor.ipynb #31fd31e2
-import json, math, re, sys, warnings
+import json
+import math
+import re
+import sys
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from fastcore.script import CliError, call_parse
 from torch.overrides import TorchFunctionMode
-from fastcore.script import call_parse, CliError
 
-from .config import Config, MonitorConfig, ConfigError, load_config
+from .config import Config, ConfigError, MonitorConfig, load_config
 
 # %% ../nbs/07_monitor.ipynb #35e50705
-_SYNC_FUNCS = {'tolist', 'item', '__float__', '__int__', '__bool__', '__index__', 'cpu', 'numpy', '__array__',
-               'nonzero', 'unique', 'masked_select', 'bincount'}   # host conversions and data-dependent shapes
+_SYNC_FUNCS = {
+    "tolist",
+    "item",
+    "__float__",
+    "__int__",
+    "__bool__",
+    "__index__",
+    "cpu",
+    "numpy",
+    "__array__",
+    "nonzero",
+    "unique",
+    "masked_select",
+    "bincount",
+}  # host conversions and data-dependent shapes
+
 
 def _to_host_device(args, kwargs) -> bool:
     "Does a `Tensor.to(...)` call move a device tensor to the CPU?"
-    if not args or not torch.is_tensor(args[0]) or args[0].device.type == 'cpu': return False
+    if not args or not torch.is_tensor(args[0]) or args[0].device.type == "cpu":
+        return False
     for a in (*args[1:], *kwargs.values()):
-        if isinstance(a, str) and a.startswith('cpu') or isinstance(a, torch.device) and a.type == 'cpu': return True
+        if isinstance(a, str) and a.startswith("cpu") or isinstance(a, torch.device) and a.type == "cpu":
+            return True
     return False
+
 
 class HostSyncCounter(TorchFunctionMode):
     "Context manager that counts calls needing a tensor's value on the host (each one a GPU sync)."
+
     def __init__(self):
         super().__init__()
         self.calls = []
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, '__name__', '')
-        if name in _SYNC_FUNCS or name == 'to' and _to_host_device(args, kwargs): self.calls.append(name)
+        name = getattr(func, "__name__", "")
+        if name in _SYNC_FUNCS or name == "to" and _to_host_device(args, kwargs):
+            self.calls.append(name)
         return func(*args, **kwargs)
+
     @property
-    def count(self) -> int: return len(self.calls)
+    def count(self) -> int:
+        return len(self.calls)
 
 # %% ../nbs/07_monitor.ipynb #a302d9be
-def to_host(stats:dict) -> dict:
+def to_host(stats: dict) -> dict:
     "Every tensor in `stats` as a float (scalar) or list (any other shape), with a single device-to-host copy."
     keys = [k for k, v in stats.items() if torch.is_tensor(v)]
     out = {k: v for k, v in stats.items() if not torch.is_tensor(v)}
-    if not keys: return out
-    dev = next((stats[k].device for k in keys if stats[k].device.type != 'cpu'), torch.device('cpu'))
+    if not keys:
+        return out
+    dev = next((stats[k].device for k in keys if stats[k].device.type != "cpu"), torch.device("cpu"))
     flat = [stats[k].detach().reshape(-1).float() for k in keys]
-    flat = [f if f.device == dev else f.to(dev) for f in flat]   # a stray CPU scalar goes to the device, not back
-    vals = torch.cat(flat).tolist()      # the one synchronisation
+    flat = [f if f.device == dev else f.to(dev) for f in flat]  # a stray CPU scalar goes to the device, not back
+    vals = torch.cat(flat).tolist()  # the one synchronisation
     i = 0
     for k, f in zip(keys, flat):
         n = f.numel()
-        out[k] = vals[i] if stats[k].dim() == 0 else vals[i:i + n]
+        out[k] = vals[i] if stats[k].dim() == 0 else vals[i : i + n]
         i += n
     return out
 
@@ -71,141 +98,201 @@ def _entropy(p) -> float:
     "Entropy in nats of a probability vector (0 log 0 = 0)."
     return -sum(x * math.log(x) for x in p if x > 0)
 
-def expert_load_metrics(counts, top_k:int=1, prefix:str='') -> dict:
+
+def expert_load_metrics(counts, top_k: int = 1, prefix: str = "") -> dict:
     "Balance metrics from one layer's per-expert token counts (host floats)."
     n, total = len(counts), float(sum(counts))
-    if total <= 0: return {f'{prefix}max_util': 0.0, f'{prefix}max_load': 0.0, f'{prefix}load_entropy': 0.0, f'{prefix}dead': 1.0}
+    if total <= 0:
+        return {f"{prefix}max_util": 0.0, f"{prefix}max_load": 0.0, f"{prefix}load_entropy": 0.0, f"{prefix}dead": 1.0}
     top = max(counts)
-    return {f'{prefix}max_util': top_k * top / total, f'{prefix}max_load': n * top / total,
-            f'{prefix}load_entropy': _entropy([c / total for c in counts]),
-            f'{prefix}dead': sum(c == 0 for c in counts) / n}
+    return {
+        f"{prefix}max_util": top_k * top / total,
+        f"{prefix}max_load": n * top / total,
+        f"{prefix}load_entropy": _entropy([c / total for c in counts]),
+        f"{prefix}dead": sum(c == 0 for c in counts) / n,
+    }
 
 # %% ../nbs/07_monitor.ipynb #b5bbd684
-_LAYER_KEY = re.compile(r'layer(\d+)/(.+)')
-_LAYER_NAMES = {'router_entropy': 'entropy', 'router_lse': 'lse'}
+_LAYER_KEY = re.compile(r"layer(\d+)/(.+)")
+_LAYER_NAMES = {"router_entropy": "entropy", "router_lse": "lse"}
 
-def _expand(name:str, v, out:dict):
+
+def _expand(name: str, v, out: dict):
     "A scalar under `name`, a vector as `name_1, name_2, ...`."
     if isinstance(v, list):
-        for j, x in enumerate(v, 1): out[f'{name}_{j}'] = x
-    else: out[name] = v
+        for j, x in enumerate(v, 1):
+            out[f"{name}_{j}"] = x
+    else:
+        out[name] = v
 
-def expert_loads(counts, prefix:str='') -> dict:
+
+def expert_loads(counts, prefix: str = "") -> dict:
     "Each expert's token count over the mean count (1 = an even share), keyed by 0-based expert index: the expert-load heatmap's cells."
     n, total = len(counts), float(sum(counts))
-    return {f'{prefix}{e}': (n * c / total if total > 0 else 0.0) for e, c in enumerate(counts)}
+    return {f"{prefix}{e}": (n * c / total if total > 0 else 0.0) for e, c in enumerate(counts)}
 
-def collect_metrics(stats:dict, top_k:int=1) -> dict:
+
+def collect_metrics(stats: dict, top_k: int = 1) -> dict:
     "Metrics under DESIGN.md's names from a model output's detached `stats` (one host sync: call it on log steps)."
     out, overlaps = {}, []
     for k, v in to_host(stats).items():
         m = _LAYER_KEY.fullmatch(k)
-        if m is None: _expand(k, v, out); continue
+        if m is None:
+            _expand(k, v, out)
+            continue
         i, what = m.groups()
-        if what == 'expert_counts':
-            out.update(expert_load_metrics(v, top_k, f'router/layer{i}_'))
-            out.update(expert_loads(v, f'router/layer{i}_load_'))   # router/layer{i}_load_{e}: host floats already, no extra sync
-        elif what == 'cross_pop_overlap': overlaps.append(v)
-        else: _expand(f'router/layer{i}_{_LAYER_NAMES.get(what, what)}', v, out)
-    if overlaps: out['router/cross_pop_overlap'] = sum(overlaps) / len(overlaps)
+        if what == "expert_counts":
+            out.update(expert_load_metrics(v, top_k, f"router/layer{i}_"))
+            out.update(
+                expert_loads(v, f"router/layer{i}_load_")
+            )  # router/layer{i}_load_{e}: host floats already, no extra sync
+        elif what == "cross_pop_overlap":
+            overlaps.append(v)
+        else:
+            _expand(f"router/layer{i}_{_LAYER_NAMES.get(what, what)}", v, out)
+    if overlaps:
+        out["router/cross_pop_overlap"] = sum(overlaps) / len(overlaps)
     return out
 
 # %% ../nbs/07_monitor.ipynb #c63bde97
-def group_grad_norms(model:torch.nn.Module, groups) -> dict:
+def group_grad_norms(model: torch.nn.Module, groups) -> dict:
     "L2 norm of the gradients of the parameters whose name contains each substring, as device scalars (no sync)."
     named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
     out = {}
     for g in groups:
         grads = [gr for n, gr in named if g in n]
-        if not grads: continue
+        if not grads:
+            continue
         norm = torch.nn.utils.get_total_norm(grads).detach()
-        out[f'grad_norm/{g}'] = norm.full_tensor() if hasattr(norm, 'full_tensor') else norm   # FSDP2: a DTensor
+        out[f"grad_norm/{g}"] = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
     return out
 
 # %% ../nbs/07_monitor.ipynb #be51c26e
 def mem_gb(device=None) -> float:
     "Peak memory in GB: CUDA max allocated on a GPU, the process's peak resident set on CPU."
-    device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
-    if device.type == 'cuda': return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource   # Unix only
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource  # Unix only
+
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss * (1 if sys.platform == 'darwin' else 1024) / 1e9
+    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 # %% ../nbs/07_monitor.ipynb #ff0e1797
-PEAK_BF16_FLOPS = {   # dense bf16 FLOP/s per GPU, NVIDIA datasheets; first matching name wins
-    'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H200 NVL': 835e12, 'GH200': 989e12, 'H200': 989e12,
-    'H100': 989e12, 'A100': 312e12, 'B200': 2250e12,
+PEAK_BF16_FLOPS = {  # dense bf16 FLOP/s per GPU, NVIDIA datasheets; first matching name wins
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200 NVL": 835e12,
+    "GH200": 989e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "B200": 2250e12,
 }
 
-def peak_flops_for(name:str):
+
+def peak_flops_for(name: str):
     "Dense bf16 peak FLOP/s of the GPU called `name` (as `torch.cuda.get_device_name` says it), or None."
     for k, v in PEAK_BF16_FLOPS.items():
-        if k.lower() in name.lower(): return v
+        if k.lower() in name.lower():
+            return v
     return None
+
 
 def device_peak_flops(device=None):
     "Dense bf16 peak FLOP/s of `device`; None on CPU or for a GPU missing from `PEAK_BF16_FLOPS`."
-    device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
-    if device.type != 'cuda': return None
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        return None
     return peak_flops_for(torch.cuda.get_device_name(device))
 
-def mfu(tok_per_s:float, flops_per_token:float, peak_flops, n_devices:int=1):
+
+def mfu(tok_per_s: float, flops_per_token: float, peak_flops, n_devices: int = 1):
     "Model FLOPs utilisation: achieved training FLOP/s over the peak of `n_devices` chips (None without a peak)."
-    if not peak_flops: return None
+    if not peak_flops:
+        return None
     return tok_per_s * flops_per_token / (peak_flops * n_devices)
 
 # %% ../nbs/07_monitor.ipynb #b91c0fac
 class HealthWarning(UserWarning):
     "A training-health warning from the monitor."
 
+
 @dataclass
 class Threat:
     "One health warning: its name, the step, what was seen and the suggested fix."
-    name:str
-    step:object
-    message:str
-    fix:str
-    def __str__(self): return f"{self.name} at step {self.step}: {self.message}. Fix: {self.fix}"
+
+    name: str
+    step: object
+    message: str
+    fix: str
+
+    def __str__(self):
+        return f"{self.name} at step {self.step}: {self.message}. Fix: {self.fix}"
+
 
 def _num(x):
     "`x` as a float when it is a number (a JSON null or a missing value gives None)."
-    if isinstance(x, bool) or x is None: return None
-    try: return float(x)
-    except (TypeError, ValueError): return None
+    if isinstance(x, bool) or x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
 
-def _series(row:dict, name:str) -> list:
+
+def _series(row: dict, name: str) -> list:
     "The values `name_1, name_2, ...` of a metrics row, in loop order."
     out, k = [], 1
-    while f'{name}_{k}' in row: out.append(_num(row[f'{name}_{k}'])); k += 1
+    while f"{name}_{k}" in row:
+        out.append(_num(row[f"{name}_{k}"]))
+        k += 1
     return [x for x in out if x is not None]
 
 # %% ../nbs/07_monitor.ipynb #b5040a79
 class RecurrentMonitor:
     "Drift and collapse of a recurrent-depth core, from the per-loop metrics of one log row."
-    def __init__(self, mcfg:MonitorConfig): self.mcfg = mcfg
 
-    def check(self, row:dict) -> list:
+    def __init__(self, mcfg: MonitorConfig):
+        self.mcfg = mcfg
+
+    def check(self, row: dict) -> list:
         "The threats this row shows (empty when healthy or when the model has no loops)."
-        m, step, out = self.mcfg, row.get('step'), []
-        norms = _series(row, 'loop/norm')
+        m, step, out = self.mcfg, row.get("step"), []
+        norms = _series(row, "loop/norm")
         if len(norms) >= 2 and norms[0] > 0 and norms[-1] / norms[0] > m.drift_ratio:
-            out.append(Threat('recurrent drift', step,
-                f"the state norm after loop {len(norms)} is {norms[-1] / norms[0]:.1f}x loop 1's ({norms[-1]:.3g} vs "
-                f"{norms[0]:.3g}; limit monitor.drift_ratio = {m.drift_ratio})",
-                "lower model.n_loops or training.lr, backpropagate through fewer loops (model.backprop_loops), "
-                "check the core's output norm"))
-        ent = _series(row, 'loop/entropy')
+            out.append(
+                Threat(
+                    "recurrent drift",
+                    step,
+                    f"the state norm after loop {len(norms)} is {norms[-1] / norms[0]:.1f}x loop 1's ({norms[-1]:.3g} vs "
+                    f"{norms[0]:.3g}; limit monitor.drift_ratio = {m.drift_ratio})",
+                    "lower model.n_loops or training.lr, backpropagate through fewer loops (model.backprop_loops), "
+                    "check the core's output norm",
+                )
+            )
+        ent = _series(row, "loop/entropy")
         if ent and min(ent) < m.min_entropy:
             k = ent.index(min(ent)) + 1
-            out.append(Threat('routing collapse in the loops', step,
-                f"routing entropy {min(ent):.3f} at loop {k} is under monitor.min_entropy = {m.min_entropy}",
-                "raise model.balance_loss_weight or model.bias_gamma, check the router init (model.init_std)"))
-        corr = _series(row, 'loop/token_corr')
+            out.append(
+                Threat(
+                    "routing collapse in the loops",
+                    step,
+                    f"routing entropy {min(ent):.3f} at loop {k} is under monitor.min_entropy = {m.min_entropy}",
+                    "raise model.balance_loss_weight or model.bias_gamma, check the router init (model.init_std)",
+                )
+            )
+        corr = _series(row, "loop/token_corr")
         if corr and max(corr) > m.max_token_corr:
             k = corr.index(max(corr)) + 1
-            out.append(Threat('token-state collapse', step,
-                f"token states correlate at {max(corr):.3f} after loop {k} (limit monitor.max_token_corr = {m.max_token_corr})",
-                "lower model.n_loops, check that the input injection reaches every loop, lower training.lr"))
+            out.append(
+                Threat(
+                    "token-state collapse",
+                    step,
+                    f"token states correlate at {max(corr):.3f} after loop {k} (limit monitor.max_token_corr = {m.max_token_corr})",
+                    "lower model.n_loops, check that the input injection reaches every loop, lower training.lr",
+                )
+            )
         return out
 
 # %% ../nbs/07_monitor.ipynb #7bc358d2
@@ -214,284 +301,402 @@ def _nonfinite(x) -> bool:
     v = _num(x)
     return v is not None and not math.isfinite(v)
 
-def _loss_keys(row:dict) -> list:
-    "The keys of a row the non-finite check covers: every loss, the gradient norm."
-    return [k for k in row if k in ('loss', 'grad_norm', 'val/loss') or k.startswith('loss/')]
 
-def nonfinite_loss(row:dict, m:MonitorConfig):
+def _loss_keys(row: dict) -> list:
+    "The keys of a row the non-finite check covers: every loss, the gradient norm."
+    return [k for k in row if k in ("loss", "grad_norm", "val/loss") or k.startswith("loss/")]
+
+
+def nonfinite_loss(row: dict, m: MonitorConfig):
     "Threat when a loss or the gradient norm is NaN or infinite."
     bad = [k for k in _loss_keys(row) if _nonfinite(row[k])]
-    if not bad: return None
-    return Threat('non-finite loss', row.get('step'), ', '.join(f'{k} = {row[k]}' for k in bad),
-                  "lower training.lr, raise model.z_loss_weight, check the data of these steps")
+    if not bad:
+        return None
+    return Threat(
+        "non-finite loss",
+        row.get("step"),
+        ", ".join(f"{k} = {row[k]}" for k in bad),
+        "lower training.lr, raise model.z_loss_weight, check the data of these steps",
+    )
 
-def expert_collapse(row:dict, m:MonitorConfig):
+
+def expert_collapse(row: dict, m: MonitorConfig):
     "Threat when one expert receives more than `monitor.collapse_frac` of a layer's tokens."
-    hot = {k: v for k, v in row.items() if re.fullmatch(r'router/layer\d+_max_util', k) and (_num(v) or 0) > m.collapse_frac}
-    if not hot: return None
-    return Threat('expert collapse', row.get('step'),
-        ', '.join(f"{k.split('/')[1].split('_')[0]}: one expert gets {v:.0%} of tokens" for k, v in hot.items())
+    hot = {
+        k: v
+        for k, v in row.items()
+        if re.fullmatch(r"router/layer\d+_max_util", k) and (_num(v) or 0) > m.collapse_frac
+    }
+    if not hot:
+        return None
+    return Threat(
+        "expert collapse",
+        row.get("step"),
+        ", ".join(f"{k.split('/')[1].split('_')[0]}: one expert gets {v:.0%} of tokens" for k, v in hot.items())
         + f" (limit monitor.collapse_frac = {m.collapse_frac})",
-        "raise model.balance_loss_weight or model.bias_gamma (with model.bias_balance), check the router init (model.init_std)")
+        "raise model.balance_loss_weight or model.bias_gamma (with model.bias_balance), check the router init (model.init_std)",
+    )
 
-def grad_explosion(row:dict, m:MonitorConfig):
+
+def grad_explosion(row: dict, m: MonitorConfig):
     "Threat when the gradient norm exceeds `monitor.max_grad_norm`."
-    g = _num(row.get('grad_norm'))
-    if g is None or not math.isfinite(g) or g <= m.max_grad_norm: return None
-    return Threat('gradient explosion', row.get('step'), f"grad_norm {g:.3g} over monitor.max_grad_norm = {m.max_grad_norm}",
-                  "keep training.grad_clip on, lower training.lr or lengthen training.warmup_steps")
+    g = _num(row.get("grad_norm"))
+    if g is None or not math.isfinite(g) or g <= m.max_grad_norm:
+        return None
+    return Threat(
+        "gradient explosion",
+        row.get("step"),
+        f"grad_norm {g:.3g} over monitor.max_grad_norm = {m.max_grad_norm}",
+        "keep training.grad_clip on, lower training.lr or lengthen training.warmup_steps",
+    )
 
 # %% ../nbs/07_monitor.ipynb #c3a855bd
-def slow_training(row:dict, m:MonitorConfig):
+def slow_training(row: dict, m: MonitorConfig):
     "Threat when MFU is under `monitor.slow_mfu` or tokens/s under `monitor.min_tok_per_s` (when set)."
-    u, tps, seen = _num(row.get('mfu')), _num(row.get('tok_per_s')), []
-    if u is not None and u < m.slow_mfu: seen.append(f"MFU {u:.1%} under monitor.slow_mfu = {m.slow_mfu:.0%}")
+    u, tps, seen = _num(row.get("mfu")), _num(row.get("tok_per_s")), []
+    if u is not None and u < m.slow_mfu:
+        seen.append(f"MFU {u:.1%} under monitor.slow_mfu = {m.slow_mfu:.0%}")
     if m.min_tok_per_s > 0 and tps is not None and tps < m.min_tok_per_s:
         seen.append(f"{tps:,.0f} tokens/s under monitor.min_tok_per_s = {m.min_tok_per_s:,.0f}")
-    if not seen: return None
-    return Threat('slow training', row.get('step'), '; '.join(seen),
-                  "raise training.batch_size (lower training.grad_accum to match), check data loading (data.num_workers), try training.compile = true")
+    if not seen:
+        return None
+    return Threat(
+        "slow training",
+        row.get("step"),
+        "; ".join(seen),
+        "raise training.batch_size (lower training.grad_accum to match), check data loading (data.num_workers), try training.compile = true",
+    )
 
-def boundary_rate_off(row:dict, m:MonitorConfig, target):
+
+def boundary_rate_off(row: dict, m: MonitorConfig, target):
     "Threat when the boundary rate is further than `monitor.bp_rate_tol` from its target."
-    r = _num(row.get('bp/rate'))
-    if target is None or r is None or abs(r - target) <= m.bp_rate_tol: return None
-    return Threat('boundary rate off target', row.get('step'),
-                  f"bp/rate {r:.3f} vs model.bp_rate {target:.3f} (tolerance monitor.bp_rate_tol = {m.bp_rate_tol})",
-                  "raise model.bp_loss_weight or model.bp_binomial_weight, or keep the fixed-rate phase longer (data.bp_fixed_frac)")
+    r = _num(row.get("bp/rate"))
+    if target is None or r is None or abs(r - target) <= m.bp_rate_tol:
+        return None
+    return Threat(
+        "boundary rate off target",
+        row.get("step"),
+        f"bp/rate {r:.3f} vs model.bp_rate {target:.3f} (tolerance monitor.bp_rate_tol = {m.bp_rate_tol})",
+        "raise model.bp_loss_weight or model.bp_binomial_weight, or keep the fixed-rate phase longer (data.bp_fixed_frac)",
+    )
 
-def overfitting(evals:list, m:MonitorConfig, step=None):
+
+def overfitting(evals: list, m: MonitorConfig, step=None):
     "Threat when validation loss rose at each of the last `monitor.overfit_patience` evaluations while training loss fell."
-    if len(evals) < m.overfit_patience + 1: return None
-    ev = evals[-(m.overfit_patience + 1):]
+    if len(evals) < m.overfit_patience + 1:
+        return None
+    ev = evals[-(m.overfit_patience + 1) :]
     vals, trains = [v for v, _ in ev], [t for _, t in ev]
-    if not (all(b > a for a, b in zip(vals, vals[1:])) and trains[-1] < trains[0]): return None
-    return Threat('overfitting', step,
-                  f"val/loss rose {' -> '.join(f'{v:.4g}' for v in vals)} while training loss fell {trains[0]:.4g} -> {trains[-1]:.4g}",
-                  "stop here and keep the checkpoint with the best val/loss, or add data (more sources, fewer epochs)")
+    if not (all(b > a for a, b in zip(vals, vals[1:])) and trains[-1] < trains[0]):
+        return None
+    return Threat(
+        "overfitting",
+        step,
+        f"val/loss rose {' -> '.join(f'{v:.4g}' for v in vals)} while training loss fell {trains[0]:.4g} -> {trains[-1]:.4g}",
+        "stop here and keep the checkpoint with the best val/loss, or add data (more sources, fewer epochs)",
+    )
 
 # %% ../nbs/07_monitor.ipynb #09684d79
 class ThreatMatrix:
     "Seed 000's threat matrix as checks on each log row, keeping the short history the trends need."
-    def __init__(self, mcfg:MonitorConfig, bp_target=None):
+
+    def __init__(self, mcfg: MonitorConfig, bp_target=None):
         self.mcfg, self.bp_target = mcfg, bp_target
         self.recurrent = RecurrentMonitor(mcfg)
         self.rows_seen = 0
-        self._train = []                                        # finite training losses since the last evaluation
-        self.evals = deque(maxlen=mcfg.overfit_patience + 1)    # (val loss, mean training loss before it)
+        self._train = []  # finite training losses since the last evaluation
+        self.evals = deque(maxlen=mcfg.overfit_patience + 1)  # (val loss, mean training loss before it)
 
-    def check(self, row:dict) -> list:
+    def check(self, row: dict) -> list:
         "The threats one log row shows."
         m = self.mcfg
-        found = [nonfinite_loss(row, m), expert_collapse(row, m), grad_explosion(row, m), boundary_rate_off(row, m, self.bp_target)]
-        if self.rows_seen: found.append(slow_training(row, m))   # the first row pays for start-up
-        loss = _num(row.get('loss'))
-        if loss is not None and math.isfinite(loss): self._train.append(loss)
+        found = [
+            nonfinite_loss(row, m),
+            expert_collapse(row, m),
+            grad_explosion(row, m),
+            boundary_rate_off(row, m, self.bp_target),
+        ]
+        if self.rows_seen:
+            found.append(slow_training(row, m))  # the first row pays for start-up
+        loss = _num(row.get("loss"))
+        if loss is not None and math.isfinite(loss):
+            self._train.append(loss)
         self.rows_seen += 1
         return [t for t in found if t] + self.recurrent.check(row)
 
-    def check_eval(self, row:dict) -> list:
+    def check_eval(self, row: dict) -> list:
         "The threats an evaluation row shows: a non-finite validation loss, overfitting."
-        val = _num(row.get('val/loss'))
-        if val is None: return []
-        if not math.isfinite(val): return [nonfinite_loss({'step': row.get('step'), 'val/loss': val}, self.mcfg)]
+        val = _num(row.get("val/loss"))
+        if val is None:
+            return []
+        if not math.isfinite(val):
+            return [nonfinite_loss({"step": row.get("step"), "val/loss": val}, self.mcfg)]
         if self._train:
             self.evals.append((val, sum(self._train) / len(self._train)))
             self._train = []
-        t = overfitting(list(self.evals), self.mcfg, row.get('step'))
+        t = overfitting(list(self.evals), self.mcfg, row.get("step"))
         return [t] if t else []
 
 # %% ../nbs/07_monitor.ipynb #3921bf1e
 def _device(model) -> torch.device:
     p = next(model.parameters(), None) if model is not None else None
-    return p.device if p is not None else torch.device('cpu')
+    return p.device if p is not None else torch.device("cpu")
+
 
 class MonitorCallback:
     "Trainer callback: stats-derived metrics into each log row, health warnings, evaluations into the overfitting check."
-    def __init__(self, cfg:Config, warn:bool=True):
+
+    def __init__(self, cfg: Config, warn: bool = True):
         self.cfg, self.warn = cfg, warn
         self.threats = ThreatMatrix(cfg.monitor, cfg.model.bp_rate if cfg.model.boundary else None)
         self.groups = list(cfg.optim.clip_groups)
-        self.warnings = []                            # every Threat issued, in order
-        self._active = {'log': set(), 'eval': set()}  # threat names seen at the last row of each kind
-        self._norms = {}                              # group gradient norms of the step being logged (device tensors)
+        self.warnings = []  # every Threat issued, in order
+        self._active = {"log": set(), "eval": set()}  # threat names seen at the last row of each kind
+        self._norms = {}  # group gradient norms of the step being logged (device tensors)
 
     def after_backward(self, trainer):
         if self.groups and (trainer.step + 1) % self.cfg.training.log_every == 0:
             self._norms = group_grad_norms(trainer.model, self.groups)
 
-    def on_log(self, trainer, metrics:dict):
-        if not getattr(trainer, 'is_main', True): return
-        stats = getattr(getattr(trainer, 'last_out', None), 'stats', None) or {}
-        for k, v in collect_metrics({**stats, **self._norms}, self.cfg.model.top_k).items(): metrics.setdefault(k, v)
+    def on_log(self, trainer, metrics: dict):
+        if not getattr(trainer, "is_main", True):
+            return
+        stats = getattr(getattr(trainer, "last_out", None), "stats", None) or {}
+        for k, v in collect_metrics({**stats, **self._norms}, self.cfg.model.top_k).items():
+            metrics.setdefault(k, v)
         self._norms = {}
-        if 'mem_gb' not in metrics: metrics['mem_gb'] = mem_gb(_device(getattr(trainer, 'model', None)))
-        self._issue(self.threats.check(metrics), 'log')
+        if "mem_gb" not in metrics:
+            metrics["mem_gb"] = mem_gb(_device(getattr(trainer, "model", None)))
+        self._issue(self.threats.check(metrics), "log")
 
-    def on_eval(self, trainer, metrics:dict):
-        if getattr(trainer, 'is_main', True): self._issue(self.threats.check_eval(metrics), 'eval')
+    def on_eval(self, trainer, metrics: dict):
+        if getattr(trainer, "is_main", True):
+            self._issue(self.threats.check_eval(metrics), "eval")
 
-    def _issue(self, threats:list, kind:str):
+    def _issue(self, threats: list, kind: str):
         "Warn about the threats that were not active at the previous row of this kind."
         for t in threats:
-            if t.name in self._active[kind]: continue
+            if t.name in self._active[kind]:
+                continue
             self.warnings.append(t)
-            if self.warn: warnings.warn(str(t), HealthWarning, stacklevel=3)
+            if self.warn:
+                warnings.warn(str(t), HealthWarning, stacklevel=3)
         self._active[kind] = {t.name for t in threats}
 
 # %% ../nbs/07_monitor.ipynb #659215e8
 class GateLine(NamedTuple):
     "One criterion of the verification gate: `passed` is True, False, or None when skipped."
-    criterion:str
-    passed:object
-    figure:str
 
-def _points(rows:list, key:str) -> list:
+    criterion: str
+    passed: object
+    figure: str
+
+
+def _points(rows: list, key: str) -> list:
     "(step, value) for every row holding a number under `key`, in file order."
-    return [(r.get('step'), v) for r in rows if (v := _num(r.get(key))) is not None]
+    return [(r.get("step"), v) for r in rows if (v := _num(r.get(key))) is not None]
 
-def _tail_mean(vals:list) -> float:
+
+def _tail_mean(vals: list) -> float:
     "Mean of the last quarter of `vals` (at least one value)."
-    t = vals[-max(1, len(vals) // 4):]
+    t = vals[-max(1, len(vals) // 4) :]
     return sum(t) / len(t)
 
-def _layer_ids(rows:list, metric:str) -> list:
+
+def _layer_ids(rows: list, metric: str) -> list:
     "Layer numbers N for which some row holds `router/layerN_{metric}`."
-    pat = re.compile(rf'router/layer(\d+)_{metric}')
+    pat = re.compile(rf"router/layer(\d+)_{metric}")
     return sorted({int(m.group(1)) for r in rows for k in r if (m := pat.fullmatch(k))})
 
 # %% ../nbs/07_monitor.ipynb #c6d82fdb
-def gate_loss_fell(rows:list, m:MonitorConfig) -> GateLine:
+def gate_loss_fell(rows: list, m: MonitorConfig) -> GateLine:
     "The loss at the end of the first `monitor.gate_steps` steps is below the first logged loss."
     name = f"loss fell over the first {m.gate_steps} steps"
-    pts = [(s, v) for s, v in _points(rows, 'loss') if math.isfinite(v) and (_num(s) is None or _num(s) <= m.gate_steps)]
-    if len(pts) < 2: return GateLine(name, False, f"{len(pts)} finite loss value(s) logged in those steps; need at least 2")
+    pts = [
+        (s, v) for s, v in _points(rows, "loss") if math.isfinite(v) and (_num(s) is None or _num(s) <= m.gate_steps)
+    ]
+    if len(pts) < 2:
+        return GateLine(name, False, f"{len(pts)} finite loss value(s) logged in those steps; need at least 2")
     head, tail = pts[0][1], _tail_mean([v for _, v in pts])
-    return GateLine(name, tail < head, f"{head:.4g} at step {pts[0][0]} -> {tail:.4g} (last quarter, to step {pts[-1][0]})")
+    return GateLine(
+        name, tail < head, f"{head:.4g} at step {pts[0][0]} -> {tail:.4g} (last quarter, to step {pts[-1][0]})"
+    )
 
-def gate_finite(rows:list, m:MonitorConfig) -> GateLine:
+
+def gate_finite(rows: list, m: MonitorConfig) -> GateLine:
     "No loss or gradient norm is NaN or infinite anywhere in the run."
-    checked = [(r.get('step'), k, r[k]) for r in rows for k in _loss_keys(r) if _num(r[k]) is not None]
+    checked = [(r.get("step"), k, r[k]) for r in rows for k in _loss_keys(r) if _num(r[k]) is not None]
     bad = [(s, k) for s, k, v in checked if _nonfinite(v)]
-    fig = (f"{len(checked)} values finite" if not bad else
-           f"{len(bad)} non-finite: " + ', '.join(f"{k} at step {s}" for s, k in bad[:3]) + (', ...' if len(bad) > 3 else ''))
+    fig = (
+        f"{len(checked)} values finite"
+        if not bad
+        else f"{len(bad)} non-finite: "
+        + ", ".join(f"{k} at step {s}" for s, k in bad[:3])
+        + (", ..." if len(bad) > 3 else "")
+    )
     return GateLine("no NaN or inf in the losses and gradient norm", not bad, fig)
 
-def _utilisation(rows:list, layer:int) -> float|None:
+
+def _utilisation(rows: list, layer: int) -> float | None:
     "The busiest expert's share over the mean, each expert's load averaged over the last quarter (None: no loads logged)."
-    pat = re.compile(rf'router/layer{layer}_load_(\d+)')
+    pat = re.compile(rf"router/layer{layer}_load_(\d+)")
     experts = sorted({int(g.group(1)) for r in rows for k in r if (g := pat.fullmatch(k))})
-    if not experts: return None
-    loads = [_tail_mean([v for _, v in _points(rows, f'router/layer{layer}_load_{e}')] or [0.0]) for e in experts]
+    if not experts:
+        return None
+    loads = [_tail_mean([v for _, v in _points(rows, f"router/layer{layer}_load_{e}")] or [0.0]) for e in experts]
     return max(loads) / max(sum(loads) / len(loads), 1e-12)
 
-def gate_load(rows:list, m:MonitorConfig) -> GateLine:
+
+def gate_load(rows: list, m: MonitorConfig) -> GateLine:
     "In every MoE layer the busiest expert's utilisation (its load over the last quarter) is under `monitor.max_load_ratio` x the mean."
     name = f"max expert load under {m.max_load_ratio:g}x the mean in every layer"
-    layers = _layer_ids(rows, 'max_load')
-    if not layers: return GateLine(name, None, "no router/layerN_max_load logged (no MoE layer)")
-    peak = {i: _tail_mean([v for _, v in _points(rows, f'router/layer{i}_max_load')]) for i in layers}   # per batch
+    layers = _layer_ids(rows, "max_load")
+    if not layers:
+        return GateLine(name, None, "no router/layerN_max_load logged (no MoE layer)")
+    peak = {i: _tail_mean([v for _, v in _points(rows, f"router/layer{i}_max_load")]) for i in layers}  # per batch
     util = {i: _utilisation(rows, i) for i in layers}
-    load = {i: peak[i] if util[i] is None else util[i] for i in layers}   # runs without per-expert loads: the peaks
+    load = {i: peak[i] if util[i] is None else util[i] for i in layers}  # runs without per-expert loads: the peaks
     worst = max(load, key=lambda i: load[i] if math.isfinite(load[i]) else math.inf)
-    how = ('per-batch peaks (no per-expert loads logged)' if util[worst] is None else
-           f'loads over the last quarter; per-batch peak {peak[worst]:.2f}x')
-    return GateLine(name, all(v < m.max_load_ratio for v in load.values()),
-                    f"worst layer {worst}: {load[worst]:.2f}x over {len(layers)} layer(s), {how}")
+    how = (
+        "per-batch peaks (no per-expert loads logged)"
+        if util[worst] is None
+        else f"loads over the last quarter; per-batch peak {peak[worst]:.2f}x"
+    )
+    return GateLine(
+        name,
+        all(v < m.max_load_ratio for v in load.values()),
+        f"worst layer {worst}: {load[worst]:.2f}x over {len(layers)} layer(s), {how}",
+    )
 
 # %% ../nbs/07_monitor.ipynb #42acb833
-def gate_router_learning(rows:list, m:MonitorConfig) -> GateLine:
+def gate_router_learning(rows: list, m: MonitorConfig) -> GateLine:
     "Mean routing entropy over layers fell while the loss fell (the router is learning)."
     name = "routing entropy falling while loss falls (router learning)"
-    layers = _layer_ids(rows, 'entropy')
-    if not layers: return GateLine(name, None, "no router/layerN_entropy logged (no MoE layer)")
+    layers = _layer_ids(rows, "entropy")
+    if not layers:
+        return GateLine(name, None, "no router/layerN_entropy logged (no MoE layer)")
     pts = []
     for r in rows:
-        loss, ent = _num(r.get('loss')), [_num(r.get(f'router/layer{i}_entropy')) for i in layers]
-        if loss is not None and math.isfinite(loss) and None not in ent: pts.append((loss, sum(ent) / len(ent)))
-    if len(pts) < 2: return GateLine(name, False, f"{len(pts)} row(s) with both loss and routing entropy; need at least 2")
+        loss, ent = _num(r.get("loss")), [_num(r.get(f"router/layer{i}_entropy")) for i in layers]
+        if loss is not None and math.isfinite(loss) and None not in ent:
+            pts.append((loss, sum(ent) / len(ent)))
+    if len(pts) < 2:
+        return GateLine(name, False, f"{len(pts)} row(s) with both loss and routing entropy; need at least 2")
     (l0, e0), lt, et = pts[0], _tail_mean([l for l, _ in pts]), _tail_mean([e for _, e in pts])
     return GateLine(name, et < e0 and lt < l0, f"entropy {e0:.3f} -> {et:.3f}, loss {l0:.4g} -> {lt:.4g}")
 
-def gate_overlap(rows:list, m:MonitorConfig, populations=None) -> GateLine:
+
+def gate_overlap(rows: list, m: MonitorConfig, populations=None) -> GateLine:
     "Cross-population overlap under `monitor.max_overlap` (only when the experts form two populations)."
     name = f"cross-population overlap under {m.max_overlap:g}"
-    pts = [v for _, v in _points(rows, 'router/cross_pop_overlap')]
-    if populations is None: populations = bool(pts)
-    if not populations: return GateLine(name, None, "populations off (model.n_pop_a = 0)")
-    if not pts: return GateLine(name, False, "populations on, but no router/cross_pop_overlap logged")
+    pts = [v for _, v in _points(rows, "router/cross_pop_overlap")]
+    if populations is None:
+        populations = bool(pts)
+    if not populations:
+        return GateLine(name, None, "populations off (model.n_pop_a = 0)")
+    if not pts:
+        return GateLine(name, False, "populations on, but no router/cross_pop_overlap logged")
     tail = _tail_mean(pts)
     return GateLine(name, tail < m.max_overlap, f"{tail:.3f}, last quarter")
 
 # %% ../nbs/07_monitor.ipynb #ea2026fe
-def gate_grad_norm(rows:list, m:MonitorConfig) -> GateLine:
+def gate_grad_norm(rows: list, m: MonitorConfig) -> GateLine:
     "The gradient norm stayed under `monitor.max_grad_norm` at every logged step."
     name = f"gradient norm under {m.max_grad_norm:g}"
-    pts = _points(rows, 'grad_norm')
-    if not pts: return GateLine(name, False, "no grad_norm logged")
+    pts = _points(rows, "grad_norm")
+    if not pts:
+        return GateLine(name, False, "no grad_norm logged")
     s, g = max(pts, key=lambda p: p[1] if math.isfinite(p[1]) else math.inf)
     return GateLine(name, math.isfinite(g) and g < m.max_grad_norm, f"max {g:.3g} at step {s}")
 
-def gate_utilisation(rows:list, m:MonitorConfig) -> GateLine:
+
+def gate_utilisation(rows: list, m: MonitorConfig) -> GateLine:
     "On GPU runs, utilisation over `monitor.min_mfu`, with MFU as the (stricter) proxy."
     name = f"GPU utilisation over {m.min_mfu:.0%} (MFU as the proxy)"
-    pts = [v for _, v in _points(rows, 'mfu')]
-    if not pts: return GateLine(name, None, "CPU run: no MFU logged (or a GPU missing from PEAK_BF16_FLOPS)")
+    pts = [v for _, v in _points(rows, "mfu")]
+    if not pts:
+        return GateLine(name, None, "CPU run: no MFU logged (or a GPU missing from PEAK_BF16_FLOPS)")
     tail = _tail_mean(pts)
     return GateLine(name, tail > m.min_mfu, f"MFU {tail:.1%}, last quarter")
 
 # %% ../nbs/07_monitor.ipynb #ab8dff56
-def gate(rows:list, mcfg:MonitorConfig, populations=None) -> list:
+def gate(rows: list, mcfg: MonitorConfig, populations=None) -> list:
     "The verification gate over a run's metric rows: one `GateLine` per criterion."
-    return [gate_loss_fell(rows, mcfg), gate_finite(rows, mcfg), gate_utilisation(rows, mcfg), gate_load(rows, mcfg),
-            gate_router_learning(rows, mcfg), gate_overlap(rows, mcfg, populations), gate_grad_norm(rows, mcfg)]
+    return [
+        gate_loss_fell(rows, mcfg),
+        gate_finite(rows, mcfg),
+        gate_utilisation(rows, mcfg),
+        gate_load(rows, mcfg),
+        gate_router_learning(rows, mcfg),
+        gate_overlap(rows, mcfg, populations),
+        gate_grad_norm(rows, mcfg),
+    ]
 
-def gate_passed(lines:list) -> bool:
+
+def gate_passed(lines: list) -> bool:
     "True when no criterion failed (skipped ones do not count)."
     return all(l.passed is not False for l in lines)
 
-def format_gate(lines:list) -> str:
+
+def format_gate(lines: list) -> str:
     "One `PASS`/`FAIL`/`SKIP` line per criterion with its figure, then the verdict."
     w = max(len(l.criterion) for l in lines)
     out = [f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[l.passed] }  {l.criterion:<{w}}  {l.figure}" for l in lines]
     n = {v: sum(l.passed is v for l in lines) for v in (True, False, None)}
-    out.append(f"gate {'PASS' if gate_passed(lines) else 'FAIL'}: {n[True]} passed, {n[False]} failed, {n[None]} skipped")
-    return '\n'.join(out)
+    out.append(
+        f"gate {'PASS' if gate_passed(lines) else 'FAIL'}: {n[True]} passed, {n[False]} failed, {n[None]} skipped"
+    )
+    return "\n".join(out)
 
 # %% ../nbs/07_monitor.ipynb #b4f87760
 def read_metrics(path) -> list:
     "The rows of a `metrics.jsonl`, with errors that name the file and line."
     p = Path(path)
-    if not p.is_file(): raise FileNotFoundError(f"no metrics file '{p}': give the run directory that cipher-train wrote (it holds metrics.jsonl)")
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"no metrics file '{p}': give the run directory that cipher-train wrote (it holds metrics.jsonl)"
+        )
     text = p.read_text()
     lines, rows = text.splitlines(), []
     for n, line in enumerate(lines, 1):
-        if not line.strip(): continue
-        try: row = json.loads(line)
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
         except json.JSONDecodeError as e:
-            if n == len(lines) and not text.endswith('\n'):
-                warnings.warn(f"{p}: skipped the unfinished last line {n} (the run was stopped while writing it)"); continue
-            raise ValueError(f"{p}, line {n}: not JSON ({e.msg}); each line must be one JSON object of metrics") from None
-        if not isinstance(row, dict): raise ValueError(f"{p}, line {n}: expected a JSON object of metrics, got {type(row).__name__}")
+            if n == len(lines) and not text.endswith("\n"):
+                warnings.warn(f"{p}: skipped the unfinished last line {n} (the run was stopped while writing it)")
+                continue
+            raise ValueError(
+                f"{p}, line {n}: not JSON ({e.msg}); each line must be one JSON object of metrics"
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{p}, line {n}: expected a JSON object of metrics, got {type(row).__name__}")
         rows.append(row)
-    if not rows: raise ValueError(f"'{p}' holds no metrics: the run has not logged yet (it logs every training.log_every steps)")
+    if not rows:
+        raise ValueError(f"'{p}' holds no metrics: the run has not logged yet (it logs every training.log_every steps)")
     return rows
 
 # %% ../nbs/07_monitor.ipynb #b5e74435
 @call_parse
 def cipher_gate(
-    run_dir:str,   # run directory holding metrics.jsonl (and config.yaml for the thresholds)
+    run_dir: str,  # run directory holding metrics.jsonl (and config.yaml for the thresholds)
 ):
     "Print the verification gate of a run, one PASS / FAIL / SKIP line per criterion; exit 1 when any fails."
     run = Path(run_dir)
-    if not run.is_dir(): raise CliError(f"run directory '{run}' does not exist: give the folder that cipher-train wrote")
-    try: rows = read_metrics(run / 'metrics.jsonl')
-    except (OSError, ValueError) as e: raise CliError(str(e))
-    cfg_path = run / 'config.yaml'
-    try: cfg = load_config(cfg_path) if cfg_path.is_file() else Config()
-    except ConfigError as e: raise CliError(f"{cfg_path}: {e}")
+    if not run.is_dir():
+        raise CliError(f"run directory '{run}' does not exist: give the folder that cipher-train wrote")
+    try:
+        rows = read_metrics(run / "metrics.jsonl")
+    except (OSError, ValueError) as e:
+        raise CliError(str(e))
+    cfg_path = run / "config.yaml"
+    try:
+        cfg = load_config(cfg_path) if cfg_path.is_file() else Config()
+    except ConfigError as e:
+        raise CliError(f"{cfg_path}: {e}")
     lines = gate(rows, cfg.monitor, populations=cfg.model.n_pop_a > 0 if cfg_path.is_file() else None)
-    src = 'config.yaml' if cfg_path.is_file() else 'defaults (no config.yaml)'
+    src = "config.yaml" if cfg_path.is_file() else "defaults (no config.yaml)"
     print(f"verification gate for {run}: {len(rows)} rows, thresholds from the {src}")
     print(format_gate(lines))
     return 0 if gate_passed(lines) else 1

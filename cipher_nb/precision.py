@@ -12,7 +12,12 @@ __all__ = ['PRECISIONS', 'LOW_PRECISION', 'MIN_CAPABILITY', 'FP8_RECIPES', 'MX_B
            'optimizer_state', 'load_optimizer_state']
 
 # %% ../nbs/08_precision.ipynb #ecceb87d
-import collections, contextlib, dataclasses, importlib, logging, warnings
+import collections
+import contextlib
+import dataclasses
+import importlib
+import logging
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -23,25 +28,29 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .config import Config
 
 # %% ../nbs/08_precision.ipynb #a1eaff99
-PRECISIONS = ('auto', 'fp32', 'fp16', 'bf16', 'fp8', 'mxfp8', 'nvfp4')
-LOW_PRECISION = ('nvfp4', 'mxfp8', 'fp8')                   # the fallback chain, best first; it ends at bf16
+PRECISIONS = ("auto", "fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4")
+LOW_PRECISION = ("nvfp4", "mxfp8", "fp8")  # the fallback chain, best first; it ends at bf16
 MIN_CAPABILITY = dict(fp8=(8, 9), mxfp8=(10, 0), nvfp4=(10, 0))
-FP8_RECIPES = ('rowwise', 'tensorwise', 'rowwise_with_gw_hp')
+FP8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
 
 # %% ../nbs/08_precision.ipynb #3f048f32
 @dataclass(frozen=True)
 class DeviceCaps:
     "What the compute device offers: CUDA or not, compute capability, native bf16."
-    cuda:bool = False
-    capability:tuple = (0, 0)
-    bf16:bool = False
-    name:str = 'cpu'
+
+    cuda: bool = False
+    capability: tuple = (0, 0)
+    bf16: bool = False
+    name: str = "cpu"
+
 
 def probe_device(device=None) -> DeviceCaps:
     "Capabilities of `device` (default: this process's CUDA GPU when there is one, else the CPU)."
-    if device is None: device = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    if device.type != 'cuda': return DeviceCaps()
+    if device.type != "cuda":
+        return DeviceCaps()
     with torch.cuda.device(device):
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
     return DeviceCaps(True, tuple(torch.cuda.get_device_capability(device)), bf16, torch.cuda.get_device_name(device))
@@ -50,397 +59,584 @@ def probe_device(device=None) -> DeviceCaps:
 @dataclass
 class LibCaps:
     "Which low-precision training paths the installed libraries offer, and why each missing one is missing."
-    float8:bool = False        # torchao.float8: Float8Linear for dense layers (fp8)
-    fp8_grouped:bool = False   # torchao Float8TrainingOpConfig: fp8 grouped GEMMs for routed experts
-    mxfp8:bool = False         # torchao MXFP8TrainingOpConfig: MXFP8 dense and grouped GEMMs
-    nvfp4:bool = False         # torchao NVFP4TrainingConfig: NVFP4 dense layers
-    triton:bool = False        # the GPU kernels of fp8-grouped, MXFP8 and NVFP4 are Triton
-    why:dict = field(default_factory=dict)   # path -> why it is unavailable
+
+    float8: bool = False  # torchao.float8: Float8Linear for dense layers (fp8)
+    fp8_grouped: bool = False  # torchao Float8TrainingOpConfig: fp8 grouped GEMMs for routed experts
+    mxfp8: bool = False  # torchao MXFP8TrainingOpConfig: MXFP8 dense and grouped GEMMs
+    nvfp4: bool = False  # torchao NVFP4TrainingConfig: NVFP4 dense layers
+    triton: bool = False  # the GPU kernels of fp8-grouped, MXFP8 and NVFP4 are Triton
+    why: dict = field(default_factory=dict)  # path -> why it is unavailable
+
 
 _LIB_PROBES = dict(
-    float8=('torchao.float8', 'convert_to_float8_training'),
-    fp8_grouped=('torchao.prototype.moe_training.config', 'Float8TrainingOpConfig'),
-    mxfp8=('torchao.prototype.moe_training.config', 'MXFP8TrainingOpConfig'),
-    nvfp4=('torchao.prototype.moe_training.nvfp4_training.nvfp4_training', 'NVFP4TrainingConfig'),
-    triton=('triton', ''))
+    float8=("torchao.float8", "convert_to_float8_training"),
+    fp8_grouped=("torchao.prototype.moe_training.config", "Float8TrainingOpConfig"),
+    mxfp8=("torchao.prototype.moe_training.config", "MXFP8TrainingOpConfig"),
+    nvfp4=("torchao.prototype.moe_training.nvfp4_training.nvfp4_training", "NVFP4TrainingConfig"),
+    triton=("triton", ""),
+)
 
 # %% ../nbs/08_precision.ipynb #0f56dada
 @contextlib.contextmanager
 def quiet_imports(*names):
     "Mute import-time log warnings of torchao / bitsandbytes / torch about optional kernels they cannot load."
-    loggers = [logging.getLogger(n) for n in (names or ('torchao', 'bitsandbytes', 'torch.utils._pytree'))]
+    loggers = [logging.getLogger(n) for n in (names or ("torchao", "bitsandbytes", "torch.utils._pytree"))]
     levels = [l.level for l in loggers]
-    for l in loggers: l.setLevel(logging.ERROR)
-    try: yield
+    for l in loggers:
+        l.setLevel(logging.ERROR)
+    try:
+        yield
     finally:
-        for l, lv in zip(loggers, levels): l.setLevel(lv)
+        for l, lv in zip(loggers, levels):
+            l.setLevel(lv)
 
-def _import_problem(module:str, attr:str) -> str:
+
+def _import_problem(module: str, attr: str) -> str:
     "'' when `module.attr` imports, else why not."
     try:
-        with quiet_imports(): m = importlib.import_module(module)
-    except Exception as e: return f"{module} does not import ({type(e).__name__}: {e})"
-    if attr and not hasattr(m, attr): return f"{module} has no {attr} (torchao too old?)"
-    return ''
+        with quiet_imports():
+            m = importlib.import_module(module)
+    except Exception as e:
+        return f"{module} does not import ({type(e).__name__}: {e})"
+    if attr and not hasattr(m, attr):
+        return f"{module} has no {attr} (torchao too old?)"
+    return ""
+
 
 def probe_libs() -> LibCaps:
     "Probe torchao (and Triton) for each low-precision training path."
     why = {k: _import_problem(*v) for k, v in _LIB_PROBES.items()}
-    if not why['mxfp8']:   # torchao asserts this DTensor hook before it will wrap a weight for MXFP8
+    if not why["mxfp8"]:  # torchao asserts this DTensor hook before it will wrap a weight for MXFP8
         try:
             from torch.distributed.tensor import _dispatch, _ops
-            if not (hasattr(_ops, 'scaled_mm_single_dim_strategy') and hasattr(_dispatch, 'is_pinned_handler')):
-                why['mxfp8'] = f"torch {torch.__version__} lacks the scaled-mm DTensor strategy torchao's MXFP8 training needs"
-        except Exception as e: why['mxfp8'] = f"torch.distributed.tensor unavailable ({type(e).__name__}: {e})"
+
+            if not (hasattr(_ops, "scaled_mm_single_dim_strategy") and hasattr(_dispatch, "is_pinned_handler")):
+                why["mxfp8"] = (
+                    f"torch {torch.__version__} lacks the scaled-mm DTensor strategy torchao's MXFP8 training needs"
+                )
+        except Exception as e:
+            why["mxfp8"] = f"torch.distributed.tensor unavailable ({type(e).__name__}: {e})"
     return LibCaps(**{k: not w for k, w in why.items()}, why={k: w for k, w in why.items() if w})
 
 # %% ../nbs/08_precision.ipynb #d5c5fa8e
 @dataclass
 class PrecisionChoice:
     "The chosen precision mode, why it was chosen, and what was tried before it."
-    requested:str
-    mode:str
-    reason:str
-    recipe:str = ''            # fp8: torchao's float8 scaling recipe
-    emulate:bool = False       # low-precision matmuls emulated in high precision (CPU tests)
-    tried:list = field(default_factory=list)   # [(mode, why it was not used)], in the order tried
+
+    requested: str
+    mode: str
+    reason: str
+    recipe: str = ""  # fp8: torchao's float8 scaling recipe
+    emulate: bool = False  # low-precision matmuls emulated in high precision (CPU tests)
+    tried: list = field(default_factory=list)  # [(mode, why it was not used)], in the order tried
 
     @property
     def dtype(self) -> torch.dtype:
         "The autocast dtype: low-precision matmuls run inside bf16 autocast."
         return dict(fp32=torch.float32, fp16=torch.float16).get(self.mode, torch.bfloat16)
+
     @property
-    def scaler(self) -> bool: return self.mode == 'fp16'
+    def scaler(self) -> bool:
+        return self.mode == "fp16"
+
     def to_record(self) -> dict:
         "A JSON-ready dict for the run record."
-        return dict(requested=self.requested, mode=self.mode, recipe=self.recipe, emulate=self.emulate,
-                    reason=self.reason, tried=[list(t) for t in self.tried])
+        return dict(
+            requested=self.requested,
+            mode=self.mode,
+            recipe=self.recipe,
+            emulate=self.emulate,
+            reason=self.reason,
+            tried=[list(t) for t in self.tried],
+        )
 
 # %% ../nbs/08_precision.ipynb #e3570371
-def _lowp_problem(mode:str, caps:DeviceCaps, libs:LibCaps, emulate:bool) -> str:
+def _lowp_problem(mode: str, caps: DeviceCaps, libs: LibCaps, emulate: bool) -> str:
     "Why the low-precision `mode` cannot run here, or '' when it can."
-    lib = dict(fp8='float8', mxfp8='mxfp8', nvfp4='nvfp4')[mode]
-    if not getattr(libs, lib): return f"torchao's {mode} training path is unavailable: {libs.why.get(lib, 'not installed')}"
-    if emulate: return "torchao has no emulated NVFP4 training (its kernels are Triton, GPU only)" if mode == 'nvfp4' else ''
+    lib = dict(fp8="float8", mxfp8="mxfp8", nvfp4="nvfp4")[mode]
+    if not getattr(libs, lib):
+        return f"torchao's {mode} training path is unavailable: {libs.why.get(lib, 'not installed')}"
+    if emulate:
+        return "torchao has no emulated NVFP4 training (its kernels are Triton, GPU only)" if mode == "nvfp4" else ""
     need = MIN_CAPABILITY[mode]
-    if not caps.cuda: return f"{mode} needs a CUDA GPU of compute capability {need[0]}.{need[1]} or newer; this device is a CPU"
+    if not caps.cuda:
+        return f"{mode} needs a CUDA GPU of compute capability {need[0]}.{need[1]} or newer; this device is a CPU"
     if tuple(caps.capability) < need:
         have = caps.capability
         return f"{mode} needs compute capability {need[0]}.{need[1]} or newer; {caps.name} is {have[0]}.{have[1]}"
-    if mode != 'fp8' and not libs.triton: return f"{mode}'s kernels are Triton and Triton does not import: {libs.why.get('triton', '')}"
-    return ''
+    if mode != "fp8" and not libs.triton:
+        return f"{mode}'s kernels are Triton and Triton does not import: {libs.why.get('triton', '')}"
+    return ""
 
 # %% ../nbs/08_precision.ipynb #8fa3012f
-def detect_precision(requested:str='auto', caps:DeviceCaps=None, libs:LibCaps=None, recipe:str='rowwise',
-                     emulate:bool=False) -> PrecisionChoice:
+def detect_precision(
+    requested: str = "auto",
+    caps: DeviceCaps = None,
+    libs: LibCaps = None,
+    recipe: str = "rowwise",
+    emulate: bool = False,
+) -> PrecisionChoice:
     "The best precision mode for `requested` on this device with these libraries, with the reason and what was tried."
-    if requested not in PRECISIONS: raise ValueError(f"precision '{requested}' unknown: choose one of {', '.join(PRECISIONS)}")
-    if recipe not in FP8_RECIPES: raise ValueError(f"fp8 recipe '{recipe}' unknown: choose one of {', '.join(FP8_RECIPES)}")
+    if requested not in PRECISIONS:
+        raise ValueError(f"precision '{requested}' unknown: choose one of {', '.join(PRECISIONS)}")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8 recipe '{recipe}' unknown: choose one of {', '.join(FP8_RECIPES)}")
     caps = probe_device() if caps is None else caps
     tried = []
+
     def chosen(mode, reason):
-        return PrecisionChoice(requested, mode, reason, recipe if mode == 'fp8' else '', emulate and mode in LOW_PRECISION, tried)
-    if requested in ('fp32', 'fp16'): return chosen(requested, 'asked for' + (' (with a gradient scaler)' if requested == 'fp16' else ''))
-    if requested == 'auto' and not caps.cuda: return chosen('fp32', 'auto on a CPU: fp32 (ask for bf16 to autocast)')
-    if requested == 'auto' or requested in LOW_PRECISION:
+        return PrecisionChoice(
+            requested, mode, reason, recipe if mode == "fp8" else "", emulate and mode in LOW_PRECISION, tried
+        )
+
+    if requested in ("fp32", "fp16"):
+        return chosen(requested, "asked for" + (" (with a gradient scaler)" if requested == "fp16" else ""))
+    if requested == "auto" and not caps.cuda:
+        return chosen("fp32", "auto on a CPU: fp32 (ask for bf16 to autocast)")
+    if requested == "auto" or requested in LOW_PRECISION:
         libs = probe_libs() if libs is None else libs
-        if requested == 'auto':
+        if requested == "auto":
             chain = LOW_PRECISION[1:]
-            tried.append(('nvfp4', 'not tried by auto: 4-bit training is opt-in (ask for nvfp4)'))
-        else: chain = LOW_PRECISION[LOW_PRECISION.index(requested):]
+            tried.append(("nvfp4", "not tried by auto: 4-bit training is opt-in (ask for nvfp4)"))
+        else:
+            chain = LOW_PRECISION[LOW_PRECISION.index(requested) :]
         for mode in chain:
             problem = _lowp_problem(mode, caps, libs, emulate)
             if not problem:
-                how = ' (emulated)' if emulate else ''
-                if mode == requested: return chosen(mode, 'asked for' + how)
-                if requested == 'auto': return chosen(mode, 'auto: the best mode this device and torchao allow' + how)
-                return chosen(mode, f'{requested} unavailable here, fell back to {mode}, the next in the chain' + how)
+                how = " (emulated)" if emulate else ""
+                if mode == requested:
+                    return chosen(mode, "asked for" + how)
+                if requested == "auto":
+                    return chosen(mode, "auto: the best mode this device and torchao allow" + how)
+                return chosen(mode, f"{requested} unavailable here, fell back to {mode}, the next in the chain" + how)
             tried.append((mode, problem))
     if not caps.cuda or caps.bf16:
-        if requested == 'bf16': return chosen('bf16', 'asked for')
-        if requested == 'auto': return chosen('bf16', 'auto: ' + ('bf16, no low-precision mode available' if tried[1:] else 'bf16 on this GPU'))
-        return chosen('bf16', f'{requested} unavailable here, fell back to bf16 (no low-precision mode available)')
-    tried.append(('bf16', f'{caps.name} (compute capability {caps.capability[0]}.{caps.capability[1]}) has no native bf16'))
-    return chosen('fp16', f'{requested}: no bf16 on this GPU, fp16 with a gradient scaler')
+        if requested == "bf16":
+            return chosen("bf16", "asked for")
+        if requested == "auto":
+            return chosen(
+                "bf16", "auto: " + ("bf16, no low-precision mode available" if tried[1:] else "bf16 on this GPU")
+            )
+        return chosen("bf16", f"{requested} unavailable here, fell back to bf16 (no low-precision mode available)")
+    tried.append(
+        ("bf16", f"{caps.name} (compute capability {caps.capability[0]}.{caps.capability[1]}) has no native bf16")
+    )
+    return chosen("fp16", f"{requested}: no bf16 on this GPU, fp16 with a gradient scaler")
 
 # %% ../nbs/08_precision.ipynb #4d39babe
-_KEEP_HIGH = dict(boundary='boundary predictor', embed='embedding', head='LM head', router='router gate', gate='router gate')
+_KEEP_HIGH = dict(
+    boundary="boundary predictor", embed="embedding", head="LM head", router="router gate", gate="router gate"
+)
 
-def _dims_problem(dims, multiple:int=16) -> str:
-    return f"dims {tuple(dims)} not multiples of {multiple}" if any(d % multiple for d in dims) else ''
 
-def high_precision_reason(fqn:str, module:nn.Module, multiple:int=16) -> str:
+def _dims_problem(dims, multiple: int = 16) -> str:
+    return f"dims {tuple(dims)} not multiples of {multiple}" if any(d % multiple for d in dims) else ""
+
+
+def high_precision_reason(fqn: str, module: nn.Module, multiple: int = 16) -> str:
     "Why the layer `fqn` stays in high precision, or '' when it may be converted."
-    for part in fqn.split('.'):
-        if part in _KEEP_HIGH: return _KEEP_HIGH[part]
-        if 'norm' in part: return 'norm'
-    if isinstance(module, nn.Embedding): return 'embedding'
-    if not isinstance(module, nn.Linear): return 'not a linear layer'
+    for part in fqn.split("."):
+        if part in _KEEP_HIGH:
+            return _KEEP_HIGH[part]
+        if "norm" in part:
+            return "norm"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if not isinstance(module, nn.Linear):
+        return "not a linear layer"
     return _dims_problem((module.in_features, module.out_features), multiple)
 
 # %% ../nbs/08_precision.ipynb #19e8155a
 _aten = torch.ops.aten
-_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._scaled_mm, _aten._grouped_mm, _aten._scaled_grouped_mm}
-_SUBCLASS_KIND = dict(Float8TrainingTensor='fp8', MXTensor='mxfp8', NVFP4Tensor='nvfp4')
-_DTYPE_KIND = {torch.float32: 'fp32', torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float64: 'fp64'}
+_MATMULS = {
+    _aten.mm,
+    _aten.addmm,
+    _aten.bmm,
+    _aten.baddbmm,
+    _aten._scaled_mm,
+    _aten._grouped_mm,
+    _aten._scaled_grouped_mm,
+}
+_SUBCLASS_KIND = dict(Float8TrainingTensor="fp8", MXTensor="mxfp8", NVFP4Tensor="nvfp4")
+_DTYPE_KIND = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
-def operand_kind(t:torch.Tensor) -> str:
+
+def operand_kind(t: torch.Tensor) -> str:
     "fp8 / mxfp8 / nvfp4 for torchao's low-precision tensors and float8 data, else the dtype's short name."
     name = type(t).__name__
-    if name in _SUBCLASS_KIND: return _SUBCLASS_KIND[name]
-    if 'float8' in str(t.dtype): return 'fp8'
-    return _DTYPE_KIND.get(t.dtype, str(t.dtype).replace('torch.', ''))
+    if name in _SUBCLASS_KIND:
+        return _SUBCLASS_KIND[name]
+    if "float8" in str(t.dtype):
+        return "fp8"
+    return _DTYPE_KIND.get(t.dtype, str(t.dtype).replace("torch.", ""))
+
 
 def matmul_flops(op, args) -> int:
     "Multiply-add FLOPs (2 per multiply-add) of one matmul-family call."
     a, b = (args[1], args[2]) if op in (_aten.addmm, _aten.baddbmm) else (args[0], args[1])
-    if a.ndim == 2 and b.ndim == 2: return 2 * a.shape[0] * a.shape[1] * b.shape[1]       # mm, or a grouped 2d x 2d (wgrad)
-    if a.ndim == 2 and b.ndim == 3: return 2 * a.shape[0] * a.shape[1] * b.shape[2]       # grouped: each row meets one expert
-    if a.ndim == 3 and b.ndim == 3: return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if a.ndim == 2 and b.ndim == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]  # mm, or a grouped 2d x 2d (wgrad)
+    if a.ndim == 2 and b.ndim == 3:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[2]  # grouped: each row meets one expert
+    if a.ndim == 3 and b.ndim == 3:
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
     return 2 * a.numel() * b.shape[-1]
 
 # %% ../nbs/08_precision.ipynb #b270eacc
 class MatmulCounter(TorchDispatchMode):
     "Count matmul-family kernel calls and FLOPs by operand kind while active."
+
     def __init__(self):
         super().__init__()
         self.calls, self.flops = collections.Counter(), collections.Counter()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = func.overloadpacket
         if op in _MATMULS:
             a = args[1] if op in (_aten.addmm, _aten.baddbmm) else args[0]
-            key = f'{op.__name__}:{operand_kind(a)}'
-            self.calls[key] += 1; self.flops[operand_kind(a)] += matmul_flops(op, args)
+            key = f"{op.__name__}:{operand_kind(a)}"
+            self.calls[key] += 1
+            self.flops[operand_kind(a)] += matmul_flops(op, args)
         return func(*args, **(kwargs or {}))
+
     def summary(self) -> dict:
         "Calls per kernel:kind, FLOPs per kind, and the share of matmul FLOPs that ran in low precision."
         total = sum(self.flops.values())
         low = sum(v for k, v in self.flops.items() if k in LOW_PRECISION)
-        return dict(calls=dict(sorted(self.calls.items())), flops=dict(self.flops), lowp_share=round(low / total, 4) if total else 0.0)
+        return dict(
+            calls=dict(sorted(self.calls.items())),
+            flops=dict(self.flops),
+            lowp_share=round(low / total, 4) if total else 0.0,
+        )
 
 # %% ../nbs/08_precision.ipynb #177d06b2
-def expert_weights(model:nn.Module) -> list:
+def expert_weights(model: nn.Module) -> list:
     "(fqn, module, name) of every routed-expert weight: a 3-D parameter of a module under a path component `experts`."
-    return [(f'{mfqn}.{n}', mod, n) for mfqn, mod in model.named_modules() if 'experts' in mfqn.split('.')
-            for n, p in mod.named_parameters(recurse=False) if p.ndim == 3]
+    return [
+        (f"{mfqn}.{n}", mod, n)
+        for mfqn, mod in model.named_modules()
+        if "experts" in mfqn.split(".")
+        for n, p in mod.named_parameters(recurse=False)
+        if p.ndim == 3
+    ]
+
 
 def _plain_state_dict(module, state_dict, prefix, local_metadata):
     "State-dict post-hook: torchao's wrapper tensors saved as the plain tensors they wrap."
     for k, v in state_dict.items():
-        if k.startswith(prefix) and type(v).__name__.endswith('WrapperTensor'): state_dict[k] = v._data.detach()
+        if k.startswith(prefix) and type(v).__name__.endswith("WrapperTensor"):
+            state_dict[k] = v._data.detach()
 
-def _wrap_param(module:nn.Module, name:str, tensor_cls, config):
+
+def _wrap_param(module: nn.Module, name: str, tensor_cls, config):
     "Swap one parameter's data for a torchao training wrapper (its matmuls then quantise on the fly)."
     p = getattr(module, name)
     setattr(module, name, nn.Parameter(tensor_cls(p.data, config), requires_grad=p.requires_grad))
-    if not getattr(module, '_saves_plain', False):   # checkpoints stay plain tensors, loadable with weights_only=True
-        module.register_state_dict_post_hook(_plain_state_dict); module._saves_plain = True
+    if not getattr(module, "_saves_plain", False):  # checkpoints stay plain tensors, loadable with weights_only=True
+        module.register_state_dict_post_hook(_plain_state_dict)
+        module._saves_plain = True
 
-def _unwrap_param(module:nn.Module, name:str):
+
+def _unwrap_param(module: nn.Module, name: str):
     p = getattr(module, name)
     setattr(module, name, nn.Parameter(p.data._data, requires_grad=p.requires_grad))
 
-MX_BLOCK = 32   # MXFP8 scales blocks of 32 values along every contraction, the tokens of the weight gradient too
+
+MX_BLOCK = 32  # MXFP8 scales blocks of 32 values along every contraction, the tokens of the weight gradient too
+
 
 class MXFP8Linear(nn.Linear):
     "A linear layer for torchao's MXFP8 wrapper: input and weight cast to the autocast dtype, tokens padded to 32."
+
     def forward(self, x):
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else self.weight.dtype
-        rows = x.reshape(-1, x.shape[-1]).to(dt)                        # [tokens, in]
-        pad = -rows.shape[0] % MX_BLOCK                                 # zero rows add nothing to the weight gradient
-        y = F.linear(F.pad(rows, (0, 0, 0, pad)) if pad else rows, self.weight.to(dt))   # bias-free layers only
-        return y[:rows.shape[0]].view(*x.shape[:-1], -1).clone()       # an output of our own (see `_own_output`)
+        rows = x.reshape(-1, x.shape[-1]).to(dt)  # [tokens, in]
+        pad = -rows.shape[0] % MX_BLOCK  # zero rows add nothing to the weight gradient
+        y = F.linear(F.pad(rows, (0, 0, 0, pad)) if pad else rows, self.weight.to(dt))  # bias-free layers only
+        return y[: rows.shape[0]].view(*x.shape[:-1], -1).clone()  # an output of our own (see `_own_output`)
+
 
 def _own_output(module, args, out):
     "Forward hook: a copy of torchao's output, which is a view autograd forbids modifying in place (our MoE adds into it)."
     return out.clone() if out._is_view() else out
 
 # %% ../nbs/08_precision.ipynb #357faf30
-def _lowp_configs(mode:str, recipe:str, emulate:bool) -> dict:
+def _lowp_configs(mode: str, recipe: str, emulate: bool) -> dict:
     "torchao config objects for `mode`: dense layers and grouped experts."
     with quiet_imports():
-        if mode == 'fp8':
+        if mode == "fp8":
             from torchao.float8 import Float8LinearConfig
             from torchao.prototype.moe_training.config import Float8TrainingOpConfig
             from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+
             # pad_inner_dim: the weight gradient contracts over tokens, which need not be a multiple of 16 (byte-level
             # segments vary in number)
-            return dict(dense=dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True),
-                        grouped=(Float8TrainingWeightWrapperTensor, Float8TrainingOpConfig()))
-        if mode == 'mxfp8':
+            return dict(
+                dense=dataclasses.replace(
+                    Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True
+                ),
+                grouped=(Float8TrainingWeightWrapperTensor, Float8TrainingOpConfig()),
+            )
+        if mode == "mxfp8":
             from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
             from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
             from torchao.quantization.quantize_.common import KernelPreference
-            cfg = MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED if emulate else KernelPreference.AUTO,
-                                        pad_token_groups_for_grouped_mm=True)   # MX blocks want expert groups of 32 rows; the MoE aligns to 16
+
+            cfg = MXFP8TrainingOpConfig(
+                kernel_preference=KernelPreference.EMULATED if emulate else KernelPreference.AUTO,
+                pad_token_groups_for_grouped_mm=True,
+            )  # MX blocks want expert groups of 32 rows; the MoE aligns to 16
             return dict(dense=(MXFP8TrainingWeightWrapperTensor, cfg), grouped=(MXFP8TrainingWeightWrapperTensor, cfg))
         from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4TrainingConfig
+
         return dict(dense=NVFP4TrainingConfig(), grouped=None)
 
-def _convert_dense(model:nn.Module, mode:str, names:set, dense):
-    if not names: return
+
+def _convert_dense(model: nn.Module, mode: str, names: set, dense):
+    if not names:
+        return
     with quiet_imports():
-        if mode == 'fp8':
+        if mode == "fp8":
             from torchao.float8 import convert_to_float8_training
+
             convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in names, config=dense)
-            for fqn in names: model.get_submodule(fqn).register_forward_hook(_own_output)
-        elif mode == 'mxfp8':
+            for fqn in names:
+                model.get_submodule(fqn).register_forward_hook(_own_output)
+        elif mode == "mxfp8":
             for fqn in names:
                 m = model.get_submodule(fqn)
-                _wrap_param(m, 'weight', *dense)
-                m.__class__ = MXFP8Linear   # same parameters and hooks, a forward that casts first
+                _wrap_param(m, "weight", *dense)
+                m.__class__ = MXFP8Linear  # same parameters and hooks, a forward that casts first
         else:
             from torchao.quantization import quantize_
+
             quantize_(model, dense, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in names)
-            for fqn in names: model.get_submodule(fqn).register_forward_hook(_own_output)
+            for fqn in names:
+                model.get_submodule(fqn).register_forward_hook(_own_output)
 
 # %% ../nbs/08_precision.ipynb #618f9cfc
-def _convert_experts(model:nn.Module, mode:str, grouped, emulate:bool, libs:LibCaps, multiple:int) -> dict:
+def _convert_experts(model: nn.Module, mode: str, grouped, emulate: bool, libs: LibCaps, multiple: int) -> dict:
     "Wrap the routed experts' 3-D weights for low-precision grouped GEMMs where torchao can; say why not otherwise."
     weights = expert_weights(model)
-    out = dict(path='none', converted=[], kept={}, reason='')
-    if not weights: out['reason'] = 'no routed-expert weights (3-D parameters under `experts`)'; return out
-    why = ''
-    if grouped is None: why = f"torchao has no {mode} grouped-GEMM training path"
-    elif mode == 'fp8' and emulate: why = "torchao's fp8 grouped GEMM has no emulated path (its casts are Triton kernels)"
-    elif mode == 'fp8' and not (libs.fp8_grouped and libs.triton and torch.cuda.is_available()):
+    out = dict(path="none", converted=[], kept={}, reason="")
+    if not weights:
+        out["reason"] = "no routed-expert weights (3-D parameters under `experts`)"
+        return out
+    why = ""
+    if grouped is None:
+        why = f"torchao has no {mode} grouped-GEMM training path"
+    elif mode == "fp8" and emulate:
+        why = "torchao's fp8 grouped GEMM has no emulated path (its casts are Triton kernels)"
+    elif mode == "fp8" and not (libs.fp8_grouped and libs.triton and torch.cuda.is_available()):
         why = f"torchao's fp8 grouped GEMM needs CUDA, Triton and Float8TrainingOpConfig: {libs.why.get('fp8_grouped') or libs.why.get('triton') or 'no CUDA'}"
     if why:
-        out.update(path='high precision', reason=why, kept={fqn: why for fqn, _, _ in weights}); return out
+        out.update(path="high precision", reason=why, kept={fqn: why for fqn, _, _ in weights})
+        return out
     for fqn, mod, name in weights:
         problem = _dims_problem(getattr(mod, name).shape[-2:], multiple)
-        if problem: out['kept'][fqn] = problem; continue
-        _wrap_param(mod, name, *grouped); out['converted'].append(fqn)
-    out['path'] = f'{mode} grouped GEMM (torchao {type(grouped[1]).__name__}{", emulated" if emulate else ""})' if out['converted'] else 'high precision'
+        if problem:
+            out["kept"][fqn] = problem
+            continue
+        _wrap_param(mod, name, *grouped)
+        out["converted"].append(fqn)
+    out["path"] = (
+        f"{mode} grouped GEMM (torchao {type(grouped[1]).__name__}{', emulated' if emulate else ''})"
+        if out["converted"]
+        else "high precision"
+    )
     return out
 
 # %% ../nbs/08_precision.ipynb #74172aea
-def _run_probe(model:nn.Module, probe) -> dict:
+def _run_probe(model: nn.Module, probe) -> dict:
     "Run `probe(model)` once with the random streams untouched, clear the gradients, return the kernel count."
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices), MatmulCounter() as mc: probe(model)
-    for p in model.parameters(): p.grad = None
+    with torch.random.fork_rng(devices=devices), MatmulCounter() as mc:
+        probe(model)
+    for p in model.parameters():
+        p.grad = None
     return mc.summary()
 
 # %% ../nbs/08_precision.ipynb #a9ea9417
-def _unwrap_experts(model:nn.Module, report:dict, why:str):
+def _unwrap_experts(model: nn.Module, report: dict, why: str):
     "Put the converted expert weights back to plain tensors and record why."
-    for fqn in report['experts']['converted']:
-        mfqn, name = fqn.rsplit('.', 1)
+    for fqn in report["experts"]["converted"]:
+        mfqn, name = fqn.rsplit(".", 1)
         _unwrap_param(model.get_submodule(mfqn), name)
-    report['experts'] = dict(path='high precision', converted=[], kept={f: why for f in report['experts']['converted']}, reason=why)
+    report["experts"] = dict(
+        path="high precision", converted=[], kept={f: why for f in report["experts"]["converted"]}, reason=why
+    )
 
 # %% ../nbs/08_precision.ipynb #afb61d03
-def _probe_error(mode:str, e:Exception) -> RuntimeError:
-    return RuntimeError(f"the model converted for {mode} failed its probe training step ({type(e).__name__}: {str(e)[:300]}); "
-                        f"train with training.precision=bf16 (--precision bf16) instead")
+def _probe_error(mode: str, e: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"the model converted for {mode} failed its probe training step ({type(e).__name__}: {str(e)[:300]}); "
+        f"train with training.precision=bf16 (--precision bf16) instead"
+    )
 
 # %% ../nbs/08_precision.ipynb #b25ef627
-def convert_model(model:nn.Module, mode, recipe:str='rowwise', emulate:bool=False, experts:bool=True,
-                  probe=None, libs:LibCaps=None, multiple:int=16) -> dict:
+def convert_model(
+    model: nn.Module,
+    mode,
+    recipe: str = "rowwise",
+    emulate: bool = False,
+    experts: bool = True,
+    probe=None,
+    libs: LibCaps = None,
+    multiple: int = 16,
+) -> dict:
     "Convert `model` in place for `mode` (a name or a `PrecisionChoice`); report what was converted, kept and run."
-    if isinstance(mode, PrecisionChoice): mode, recipe, emulate = mode.mode, mode.recipe or recipe, mode.emulate
-    if mode not in PRECISIONS[1:]: raise ValueError(f"mode '{mode}' unknown: choose one of {', '.join(PRECISIONS[1:])} (detect_precision resolves 'auto')")
-    report = dict(mode=mode, recipe=recipe if mode == 'fp8' else '', emulate=emulate, converted=[], kept={}, experts={}, kernels={})
+    if isinstance(mode, PrecisionChoice):
+        mode, recipe, emulate = mode.mode, mode.recipe or recipe, mode.emulate
+    if mode not in PRECISIONS[1:]:
+        raise ValueError(
+            f"mode '{mode}' unknown: choose one of {', '.join(PRECISIONS[1:])} (detect_precision resolves 'auto')"
+        )
+    report = dict(
+        mode=mode,
+        recipe=recipe if mode == "fp8" else "",
+        emulate=emulate,
+        converted=[],
+        kept={},
+        experts={},
+        kernels={},
+    )
     if mode in LOW_PRECISION:
         libs = probe_libs() if libs is None else libs
         cfgs = _lowp_configs(mode, recipe, emulate)
         for fqn, m in model.named_modules():
-            if not isinstance(m, nn.Linear): continue
+            if not isinstance(m, nn.Linear):
+                continue
             why = high_precision_reason(fqn, m, multiple)
-            if not why and mode == 'mxfp8' and m.bias is not None: why = "has a bias (torchao's MXFP8 linear override drops it)"
-            if why: report['kept'][fqn] = why
-            else: report['converted'].append(fqn)
-        _convert_dense(model, mode, set(report['converted']), cfgs['dense'])
-        if experts: report['experts'] = _convert_experts(model, mode, cfgs['grouped'], emulate, libs, multiple)
-        else: report['experts'] = dict(path='high precision', converted=[], kept={}, reason='experts=False')
+            if not why and mode == "mxfp8" and m.bias is not None:
+                why = "has a bias (torchao's MXFP8 linear override drops it)"
+            if why:
+                report["kept"][fqn] = why
+            else:
+                report["converted"].append(fqn)
+        _convert_dense(model, mode, set(report["converted"]), cfgs["dense"])
+        if experts:
+            report["experts"] = _convert_experts(model, mode, cfgs["grouped"], emulate, libs, multiple)
+        else:
+            report["experts"] = dict(path="high precision", converted=[], kept={}, reason="experts=False")
     if probe is not None:
-        try: report['kernels'] = _run_probe(model, probe)
+        try:
+            report["kernels"] = _run_probe(model, probe)
         except Exception as e:
-            if not report['experts'].get('converted'): raise _probe_error(mode, e) from e
+            if not report["experts"].get("converted"):
+                raise _probe_error(mode, e) from e
             why = f"the probe step failed with {mode} experts ({type(e).__name__}: {str(e)[:300]})"
             warnings.warn(f"{why}; the routed experts go back to high precision")
             _unwrap_experts(model, report, why)
-            try: report['kernels'] = _run_probe(model, probe)
-            except Exception as e2: raise _probe_error(mode, e2) from e2
-        if report['experts'].get('converted') and not any('grouped_mm' in k for k in report['kernels']['calls']):
-            _unwrap_experts(model, report, "the probe step ran no grouped matmul: the MoE multiplied its experts another way "
-                                           "(bmm or a loop, see model.moe_impl), which the low-precision wrapper leaves in high precision")
+            try:
+                report["kernels"] = _run_probe(model, probe)
+            except Exception as e2:
+                raise _probe_error(mode, e2) from e2
+        if report["experts"].get("converted") and not any("grouped_mm" in k for k in report["kernels"]["calls"]):
+            _unwrap_experts(
+                model,
+                report,
+                "the probe step ran no grouped matmul: the MoE multiplied its experts another way "
+                "(bmm or a loop, see model.moe_impl), which the low-precision wrapper leaves in high precision",
+            )
     return report
 
 # %% ../nbs/08_precision.ipynb #220afdbd
-def lr_multiplier(name:str, lr_mult:dict) -> float:
+def lr_multiplier(name: str, lr_mult: dict) -> float:
     "The multiplier of the longest key of `lr_mult` contained in `name`, 1 when none is."
     keys = [k for k in lr_mult if k in name]
     return float(lr_mult[max(keys, key=len)]) if keys else 1.0
 
-def param_groups(model:nn.Module, cfg:Config) -> list:
+
+def param_groups(model: nn.Module, cfg: Config) -> list:
     "AdamW parameter groups, one per (weight decay, lr multiplier), each with `lr_mult` and the `names` of its parameters."
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     groups = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad: continue
+        if not p.requires_grad:
+            continue
         decay = cfg.optim.decay_all or not (p.ndim < 2 or id(p) in embeddings)
         wd, mult = (cfg.training.weight_decay if decay else 0.0), lr_multiplier(name, cfg.optim.lr_mult)
-        g = groups.setdefault((wd, mult), dict(params=[], names=[], weight_decay=wd, lr_mult=mult, lr=cfg.training.lr * mult))
-        g['params'].append(p); g['names'].append(name)
+        g = groups.setdefault(
+            (wd, mult), dict(params=[], names=[], weight_decay=wd, lr_mult=mult, lr=cfg.training.lr * mult)
+        )
+        g["params"].append(p)
+        g["names"].append(name)
     return list(groups.values())
 
 # %% ../nbs/08_precision.ipynb #b1cf4d64
-OPTIMIZERS = ('adamw', 'adamw8bit')
+OPTIMIZERS = ("adamw", "adamw8bit")
 
-def build_optimizer(model:nn.Module, cfg:Config) -> torch.optim.Optimizer:
+
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     "AdamW (`optim.name='adamw'`, fused on CUDA) or bitsandbytes AdamW8bit (`'adamw8bit'`) over `param_groups`."
     o = cfg.optim
-    if o.name not in OPTIMIZERS: raise ValueError(f"optim.name = '{o.name}' unknown: choose one of {', '.join(OPTIMIZERS)}")
+    if o.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name = '{o.name}' unknown: choose one of {', '.join(OPTIMIZERS)}")
     groups = param_groups(model, cfg)
     kw = dict(lr=cfg.training.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=cfg.training.weight_decay)
-    if o.name == 'adamw8bit':
+    if o.name == "adamw8bit":
         try:
-            with quiet_imports(): import bitsandbytes as bnb
-        except ImportError as e: raise ImportError("optim.name = 'adamw8bit' needs bitsandbytes: pip install bitsandbytes, or set optim.name=adamw") from e
+            with quiet_imports():
+                import bitsandbytes as bnb
+        except ImportError as e:
+            raise ImportError(
+                "optim.name = 'adamw8bit' needs bitsandbytes: pip install bitsandbytes, or set optim.name=adamw"
+            ) from e
         return bnb.optim.AdamW8bit(groups, **kw)
-    params = [p for g in groups for p in g['params']]
+    params = [p for g in groups for p in g["params"]]
     # fused on CUDA (torchao's weight wrappers unwrap for it too) and on CPU, where it is 5.8x faster than foreach on
     # a 5.3M-parameter MoE of tiny-cpu's width with 32 experts (3.8 against 21.9 ms a step, one thread)
-    fused = bool(params) and len({p.device.type for p in params}) == 1 and params[0].device.type in ('cuda', 'cpu')
+    fused = bool(params) and len({p.device.type for p in params}) == 1 and params[0].device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, fused=True if fused else None, **kw)
 
-def optimizer_kind(opt:torch.optim.Optimizer) -> str:
+
+def optimizer_kind(opt: torch.optim.Optimizer) -> str:
     "'adamw8bit' for bitsandbytes AdamW8bit, 'adamw' for torch AdamW, else the class name."
-    if type(opt).__name__ == 'AdamW8bit' and type(opt).__module__.startswith('bitsandbytes'): return 'adamw8bit'
-    if isinstance(opt, torch.optim.AdamW): return 'adamw'
+    if type(opt).__name__ == "AdamW8bit" and type(opt).__module__.startswith("bitsandbytes"):
+        return "adamw8bit"
+    if isinstance(opt, torch.optim.AdamW):
+        return "adamw"
     return type(opt).__name__.lower()
 
 # %% ../nbs/08_precision.ipynb #4f95a5b8
 class OptimizerResetWarning(UserWarning):
     "The saved optimizer state could not be used and the optimizer starts afresh."
 
-def optimizer_state(opt:torch.optim.Optimizer) -> dict:
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict:
     "The optimizer's state dict with its kind, for a checkpoint (loads with `torch.load(weights_only=True)`)."
     return dict(kind=optimizer_kind(opt), state=opt.state_dict())
 
-def _state_kind(sd:dict):
+
+def _state_kind(sd: dict):
     "The optimizer kind a bare state dict came from, or None when it holds no state yet."
-    for s in sd.get('state', {}).values():
-        if 'exp_avg' in s: return 'adamw'
-        if 'state1' in s or '__bnb_optimizer_quant_state__' in s: return 'adamw8bit'
+    for s in sd.get("state", {}).values():
+        if "exp_avg" in s:
+            return "adamw"
+        if "state1" in s or "__bnb_optimizer_quant_state__" in s:
+            return "adamw8bit"
     return None
 
 # %% ../nbs/08_precision.ipynb #486d5e29
-def load_optimizer_state(opt:torch.optim.Optimizer, saved:dict, where:str='the checkpoint') -> bool:
+def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict, where: str = "the checkpoint") -> bool:
     "Load `saved` into `opt` when it came from the same kind (True); warn and keep `opt` fresh when not (False)."
-    kind, sd = (saved['kind'], saved['state']) if 'kind' in saved and 'state' in saved else (_state_kind(saved), saved)
+    kind, sd = (saved["kind"], saved["state"]) if "kind" in saved and "state" in saved else (_state_kind(saved), saved)
     mine = optimizer_kind(opt)
     if kind is not None and kind != mine:
-        warnings.warn(f"optimizer state in {where} was written by {kind}, this run uses {mine}: the optimizer state is "
-                      f"reinitialised (moments restart from zero, expect a short bump in the loss); weights, step and "
-                      f"schedule resume as saved", OptimizerResetWarning, stacklevel=2)
+        warnings.warn(
+            f"optimizer state in {where} was written by {kind}, this run uses {mine}: the optimizer state is "
+            f"reinitialised (moments restart from zero, expect a short bump in the loss); weights, step and "
+            f"schedule resume as saved",
+            OptimizerResetWarning,
+            stacklevel=2,
+        )
         return False
-    was, now = [g.get('names') for g in sd['param_groups']], [g.get('names') for g in opt.param_groups]
+    was, now = [g.get("names") for g in sd["param_groups"]], [g.get("names") for g in opt.param_groups]
     if was != now:
-        raise ValueError(f"optimizer state in {where} does not match this model's parameter groups (saved {len(was)} groups "
-                         f"of {[len(n or []) for n in was]} parameters, now {len(now)} of {[len(n or []) for n in now]}): resume "
-                         f"needs the same model and optim.lr_mult; start from its weights alone (stage.init) instead")
+        raise ValueError(
+            f"optimizer state in {where} does not match this model's parameter groups (saved {len(was)} groups "
+            f"of {[len(n or []) for n in was]} parameters, now {len(now)} of {[len(n or []) for n in now]}): resume "
+            f"needs the same model and optim.lr_mult; start from its weights alone (stage.init) instead"
+        )
     opt.load_state_dict(sd)
     return True

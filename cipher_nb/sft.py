@@ -13,7 +13,15 @@ __all__ = ['ROLES', 'messages_from_record', 'load_conversations', 'first_paragra
            'SFTCallback']
 
 # %% ../nbs/11_sft.ipynb #5576dcdb
-import bisect, copy, csv, hashlib, inspect, json, math, re, sysconfig
+import bisect
+import copy
+import csv
+import hashlib
+import inspect
+import json
+import math
+import re
+import sysconfig
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -23,81 +31,112 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import dist_env
-from .config import Config, ConfigError, validate
-from .data import ByteCodec, DataError, build_codec, doc_hash, stdlib_files, stdlib_docs
-from .train import Callback, StageHooks
 from . import checkpoint as ck
+from .config import Config, ConfigError, validate
+from .core import dist_env
+from .data import ByteCodec, DataError, build_codec, doc_hash, stdlib_docs, stdlib_files
+from .train import Callback, StageHooks
 
 # %% ../nbs/11_sft.ipynb #3c21d57b
-ROLES = ('system', 'user', 'assistant')
+ROLES = ("system", "user", "assistant")
 
-def messages_from_record(rec, where:str='record') -> list:
+
+def messages_from_record(rec, where: str = "record") -> list:
     "A record as `[{role, content}, ...]`: its `messages`, or its instruction / input / output (and optional system)."
-    if not isinstance(rec, dict): raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    rec = {k: v for k, v in rec.items() if v is not None}   # datasets fills the columns of the other record shape with None
-    if 'messages' in rec: msgs = rec['messages']
-    elif 'instruction' in rec and 'output' in rec:
-        user = rec['instruction'] + (f"\n\n{rec['input']}" if rec.get('input') else '')
-        msgs = ([dict(role='system', content=rec['system'])] if rec.get('system') else []) + \
-               [dict(role='user', content=user), dict(role='assistant', content=rec['output'])]
-    else: raise DataError(f"{where}: keys {sorted(rec)}; an SFT record has 'messages' (a list of {{role, content}}) "
-                          "or 'instruction' and 'output' (with optional 'input' and 'system')")
-    if not isinstance(msgs, list) or not msgs: raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    rec = {
+        k: v for k, v in rec.items() if v is not None
+    }  # datasets fills the columns of the other record shape with None
+    if "messages" in rec:
+        msgs = rec["messages"]
+    elif "instruction" in rec and "output" in rec:
+        user = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input") else "")
+        msgs = ([dict(role="system", content=rec["system"])] if rec.get("system") else []) + [
+            dict(role="user", content=user),
+            dict(role="assistant", content=rec["output"]),
+        ]
+    else:
+        raise DataError(
+            f"{where}: keys {sorted(rec)}; an SFT record has 'messages' (a list of {{role, content}}) "
+            "or 'instruction' and 'output' (with optional 'input' and 'system')"
+        )
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
     out = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get('role') not in ROLES or not isinstance(m.get('content'), str):
-            raise DataError(f"{where}: message {i} is {str(m)[:80]!r}; each message needs a role ({', '.join(ROLES)}) "
-                            "and a string content")
-        out.append(dict(role=m['role'], content=m['content']))
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(
+                f"{where}: message {i} is {str(m)[:80]!r}; each message needs a role ({', '.join(ROLES)}) "
+                "and a string content"
+            )
+        out.append(dict(role=m["role"], content=m["content"]))
     return out
 
 # %% ../nbs/11_sft.ipynb #e6a54eff
-def load_conversations(source:str, split:str='train') -> list:
+def load_conversations(source: str, split: str = "train") -> list:
     "`[(name, messages), ...]` from a local .jsonl / .json file, or a dataset folder or hub name (read with `datasets`)."
     p = Path(source).expanduser()
     if p.is_file():
         text = p.read_text()
-        if p.suffix == '.json' and text.lstrip().startswith('['):
-            return [(f'{p.name}[{i}]', messages_from_record(r, f'{p.name}[{i}]')) for i, r in enumerate(json.loads(text))]
+        if p.suffix == ".json" and text.lstrip().startswith("["):
+            return [
+                (f"{p.name}[{i}]", messages_from_record(r, f"{p.name}[{i}]")) for i, r in enumerate(json.loads(text))
+            ]
         out = []
         for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip(): continue
-            try: rec = json.loads(line)
-            except ValueError as e: raise DataError(f"{p.name}:{i}: not valid JSON ({e})") from None
-            out.append((f'{p.name}:{i}', messages_from_record(rec, f'{p.name}:{i}')))
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{p.name}:{i}: not valid JSON ({e})") from None
+            out.append((f"{p.name}:{i}", messages_from_record(rec, f"{p.name}:{i}")))
         return out
     from datasets import load_dataset
-    try: ds = load_dataset(str(p) if p.is_dir() else source, split=split, streaming=True)
+
+    try:
+        ds = load_dataset(str(p) if p.is_dir() else source, split=split, streaming=True)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"sft.data = '{source}' is neither a local file nor a dataset folder or hub name that "
-                                f"can be read here ({e})") from None
-    return [(f'{source}[{i}]', messages_from_record(r, f'{source}[{i}]')) for i, r in enumerate(ds)]
+        raise FileNotFoundError(
+            f"sft.data = '{source}' is neither a local file nor a dataset folder or hub name that "
+            f"can be read here ({e})"
+        ) from None
+    return [(f"{source}[{i}]", messages_from_record(r, f"{source}[{i}]")) for i, r in enumerate(ds)]
 
 # %% ../nbs/11_sft.ipynb #ff5e3284
-_DEF = re.compile(rb'^(?:async[ \t]+)?def[ \t]+([A-Za-z]\w*)[ \t]*\((?:[^()]|\([^()]*\))*\)[^:\n]*:[ \t]*\n'
-                  rb'[ \t]+[rRuU]?("""|\'\'\')(.*?)\2', re.S | re.M)
+_DEF = re.compile(
+    rb"^(?:async[ \t]+)?def[ \t]+([A-Za-z]\w*)[ \t]*\((?:[^()]|\([^()]*\))*\)[^:\n]*:[ \t]*\n"
+    rb'[ \t]+[rRuU]?("""|\'\'\')(.*?)\2',
+    re.S | re.M,
+)
 
-def first_paragraph(doc:str) -> str:
+
+def first_paragraph(doc: str) -> str:
     "The first paragraph of a docstring, on one line."
-    return ' '.join(re.split(r'\n\s*\n', inspect.cleandoc(doc), maxsplit=1)[0].split())
+    return " ".join(re.split(r"\n\s*\n", inspect.cleandoc(doc), maxsplit=1)[0].split())
 
-def module_name(path:Path, root:Path) -> str|None:
+
+def module_name(path: Path, root: Path) -> str | None:
     "The dotted module name of a stdlib file, or None for a private one."
-    parts = path.relative_to(root).with_suffix('').parts
-    if parts and parts[-1] == '__init__': parts = parts[:-1]
-    return None if not parts or any(p.startswith('_') for p in parts) else '.'.join(parts)
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+    return None if not parts or any(p.startswith("_") for p in parts) else ".".join(parts)
+
 
 @lru_cache(None)
-def stdlib_qa(min_words:int=3) -> tuple:
+def stdlib_qa(min_words: int = 3) -> tuple:
     "`(module.function, question, answer)` for every public module-level function of the stdlib with a docstring, in file order."
-    root, out, seen = Path(sysconfig.get_paths()['stdlib']), [], set()
+    root, out, seen = Path(sysconfig.get_paths()["stdlib"]), [], set()
     for path, src in zip(stdlib_files(), stdlib_docs()):
         mod = module_name(path, root)
-        if mod is None: continue
+        if mod is None:
+            continue
         for m in _DEF.finditer(src):
-            name, answer = f"{mod}.{m[1].decode()}", first_paragraph(m[3].decode('utf-8', 'replace'))
-            if len(answer.split()) < min_words or name in seen: continue
+            name, answer = f"{mod}.{m[1].decode()}", first_paragraph(m[3].decode("utf-8", "replace"))
+            if len(answer.split()) < min_words or name in seen:
+                continue
             seen.add(name)
             out.append((name, f"What does the Python function `{name}` do?", answer))
     return tuple(out)
@@ -106,103 +145,147 @@ def stdlib_qa(min_words:int=3) -> tuple:
 @dataclass
 class Example:
     "One rendered conversation: its ids and which of them are targets with loss."
-    name:str
-    ids:np.ndarray    # [n] int64
-    loss:np.ndarray   # [n] bool: True where the id is predicted with loss
+
+    name: str
+    ids: np.ndarray  # [n] int64
+    loss: np.ndarray  # [n] bool: True where the id is predicted with loss
+
     @property
-    def n_inputs(self) -> int: return len(self.ids) - 1
+    def n_inputs(self) -> int:
+        return len(self.ids) - 1
 
-def supervised_turns(messages:list, mask:str='final') -> set:
+
+def supervised_turns(messages: list, mask: str = "final") -> set:
     "Indices of the assistant messages that carry loss: the last one (`final`) or all of them (`all`)."
-    if mask not in ('final', 'all'): raise ConfigError(f"sft.mask = {mask!r}: choose 'final' or 'all'")
-    turns = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
-    return set(turns if mask == 'all' else turns[-1:])
+    if mask not in ("final", "all"):
+        raise ConfigError(f"sft.mask = {mask!r}: choose 'final' or 'all'")
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return set(turns if mask == "all" else turns[-1:])
 
-def render_conversation(messages:list, codec, mask:str='final', generation_prompt:bool=False) -> tuple:
+
+def render_conversation(messages: list, codec, mask: str = "final", generation_prompt: bool = False) -> tuple:
     "`(ids, loss)` of a conversation with the codec's role and end-of-turn specials; optionally ending with an open assistant turn."
     trained = supervised_turns(messages, mask)
     ids, loss = [np.array([codec.bos])], [np.zeros(1, bool)]
     for i, m in enumerate(messages):
-        body = np.concatenate([[getattr(codec, m['role'])], codec.encode(m['content']), [codec.eot]]).astype(np.int64)
-        ids.append(body); loss.append(np.r_[False, np.full(len(body) - 1, i in trained)])
-    if generation_prompt: ids.append(np.array([codec.assistant])); loss.append(np.zeros(1, bool))
+        body = np.concatenate([[getattr(codec, m["role"])], codec.encode(m["content"]), [codec.eot]]).astype(np.int64)
+        ids.append(body)
+        loss.append(np.r_[False, np.full(len(body) - 1, i in trained)])
+    if generation_prompt:
+        ids.append(np.array([codec.assistant]))
+        loss.append(np.zeros(1, bool))
     return np.concatenate(ids), np.concatenate(loss)
 
 # %% ../nbs/11_sft.ipynb #09b8c1d5
 @dataclass
 class ChatTemplate:
     "A Jinja chat template and the special strings it is rendered with."
-    source:str
-    bos_token:str = ''
-    eos_token:str = ''
 
-    def render(self, messages:list, generation_prompt:bool=False) -> str:
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def render(self, messages: list, generation_prompt: bool = False) -> str:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)   # the settings transformers uses
-        return env.from_string(self.source).render(messages=messages, add_generation_prompt=generation_prompt,
-                                                   bos_token=self.bos_token, eos_token=self.eos_token)
 
-def _token_str(x) -> str: return x.get('content', '') if isinstance(x, dict) else (x or '')
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # the settings transformers uses
+        return env.from_string(self.source).render(
+            messages=messages,
+            add_generation_prompt=generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+
+def _token_str(x) -> str:
+    return x.get("content", "") if isinstance(x, dict) else (x or "")
+
 
 def load_chat_template(path) -> ChatTemplate:
     "The chat template in a `.jinja` file or a `tokenizer_config.json`."
     p = Path(path)
-    if not p.is_file(): raise FileNotFoundError(f"sft.chat_template = '{path}' does not exist: give a .jinja file or a tokenizer_config.json")
-    if p.suffix != '.json': return ChatTemplate(p.read_text())
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"sft.chat_template = '{path}' does not exist: give a .jinja file or a tokenizer_config.json"
+        )
+    if p.suffix != ".json":
+        return ChatTemplate(p.read_text())
     d = json.loads(p.read_text())
-    tpl = d.get('chat_template')
-    if isinstance(tpl, list): tpl = next((t['template'] for t in tpl if t.get('name') == 'default'), None)
-    if not tpl: raise ConfigError(f"{p} has no (default) chat_template: set sft.chat_template to a .jinja file or leave it empty")
-    return ChatTemplate(tpl, _token_str(d.get('bos_token')), _token_str(d.get('eos_token')))
+    tpl = d.get("chat_template")
+    if isinstance(tpl, list):
+        tpl = next((t["template"] for t in tpl if t.get("name") == "default"), None)
+    if not tpl:
+        raise ConfigError(
+            f"{p} has no (default) chat_template: set sft.chat_template to a .jinja file or leave it empty"
+        )
+    return ChatTemplate(tpl, _token_str(d.get("bos_token")), _token_str(d.get("eos_token")))
 
 # %% ../nbs/11_sft.ipynb #b4dffb01
-def _encode_spans(text:str, spans:list, codec) -> tuple:
+def _encode_spans(text: str, spans: list, codec) -> tuple:
     "Ids of `text` and a mask of the ids that overlap any character span in `spans`."
-    if hasattr(codec, 'tok'):   # a TokenizerCodec: the template's markers are its specials
+    if hasattr(codec, "tok"):  # a TokenizerCodec: the template's markers are its specials
         old, codec.tok.encode_special_tokens = codec.tok.encode_special_tokens, False
-        try: enc = codec.tok.encode(text, add_special_tokens=False)
-        finally: codec.tok.encode_special_tokens = old
+        try:
+            enc = codec.tok.encode(text, add_special_tokens=False)
+        finally:
+            codec.tok.encode_special_tokens = old
         ids, offs = np.array(enc.ids, np.int64), np.array(enc.offsets, np.int64).reshape(-1, 2)
     else:
         ids = codec.encode(text)
-        starts = np.cumsum([0] + [len(c.encode('utf-8', 'surrogatepass')) for c in text])   # char -> byte offset
+        starts = np.cumsum([0] + [len(c.encode("utf-8", "surrogatepass")) for c in text])  # char -> byte offset
         spans = [(int(starts[s]), int(starts[e])) for s, e in spans]
         offs = np.stack([np.arange(len(ids)), np.arange(1, len(ids) + 1)], 1)
     loss = np.zeros(len(ids), bool)
-    for s, e in spans: loss |= (offs[:, 1] > s) & (offs[:, 0] < e)
+    for s, e in spans:
+        loss |= (offs[:, 1] > s) & (offs[:, 0] < e)
     return ids, loss
 
-def render_with_template(messages:list, template:ChatTemplate, codec, mask:str='final', generation_prompt:bool=False) -> tuple:
+
+def render_with_template(
+    messages: list, template: ChatTemplate, codec, mask: str = "final", generation_prompt: bool = False
+) -> tuple:
     "`(ids, loss)` of a conversation through a chat template; the loss covers each supervised reply and its end-of-turn text."
     full = template.render(messages, generation_prompt)
     spans = []
     for i in sorted(supervised_turns(messages, mask)):
-        start, upto = template.render(messages[:i], True), template.render(messages[:i + 1])
+        start, upto = template.render(messages[:i], True), template.render(messages[: i + 1])
         if not (upto.startswith(start) and full.startswith(upto)):
-            raise ConfigError("the chat template does not render a conversation's prefixes as prefixes of it, so the reply "
-                              "cannot be located for the loss mask: use a prefix-stable template, or leave sft.chat_template empty")
+            raise ConfigError(
+                "the chat template does not render a conversation's prefixes as prefixes of it, so the reply "
+                "cannot be located for the loss mask: use a prefix-stable template, or leave sft.chat_template empty"
+            )
         spans.append((len(start), len(upto)))
     return _encode_spans(full, spans, codec)
 
 # %% ../nbs/11_sft.ipynb #2d96ae8e
-def make_example(name:str, messages:list, codec, mask:str='final', template:ChatTemplate=None) -> Example:
+def make_example(name: str, messages: list, codec, mask: str = "final", template: ChatTemplate = None) -> Example:
     "Render one conversation; an empty loss mask is an error naming the example."
-    ids, loss = (render_with_template(messages, template, codec, mask) if template is not None
-                 else render_conversation(messages, codec, mask))
+    ids, loss = (
+        render_with_template(messages, template, codec, mask)
+        if template is not None
+        else render_conversation(messages, codec, mask)
+    )
     if not loss.any():
-        raise DataError(f"SFT example {name} has nothing to learn from: its loss mask is empty (no assistant turn"
-                        f"{' with content' if template is not None else ''}). Examples are never trained on silently: "
-                        "give it an assistant reply or remove it from the data")
+        raise DataError(
+            f"SFT example {name} has nothing to learn from: its loss mask is empty (no assistant turn"
+            f"{' with content' if template is not None else ''}). Examples are never trained on silently: "
+            "give it an assistant reply or remove it from the data"
+        )
     return Example(name, ids, loss)
 
-def length_gate(examples:list, seq_len:int, drop:bool=False) -> tuple:
+
+def length_gate(examples: list, seq_len: int, drop: bool = False) -> tuple:
     "`(kept, dropped)`: over-length examples are an error naming them, or dropped (`drop=True`) and returned."
     long = [e for e in examples if e.n_inputs > seq_len]
     if long and not drop:
-        names = ', '.join(f'{e.name} ({e.n_inputs} ids)' for e in long[:5]) + (f' and {len(long) - 5} more' if len(long) > 5 else '')
-        raise DataError(f"{len(long)} SFT example(s) longer than training.seq_len = {seq_len}: {names}. They are never cut "
-                        "(a cut reply teaches replies that stop mid-way): raise training.seq_len, shorten or remove them, "
-                        "or set sft.drop_long=true to drop them (the count goes in the run record)")
+        names = ", ".join(f"{e.name} ({e.n_inputs} ids)" for e in long[:5]) + (
+            f" and {len(long) - 5} more" if len(long) > 5 else ""
+        )
+        raise DataError(
+            f"{len(long)} SFT example(s) longer than training.seq_len = {seq_len}: {names}. They are never cut "
+            "(a cut reply teaches replies that stop mid-way): raise training.seq_len, shorten or remove them, "
+            "or set sft.drop_long=true to drop them (the count goes in the run record)"
+        )
     keep = [e for e in examples if e.n_inputs <= seq_len]
     return keep, long
 
@@ -210,138 +293,195 @@ def length_gate(examples:list, seq_len:int, drop:bool=False) -> tuple:
 @dataclass
 class SFTData:
     "The examples of an SFT run, split and gated, with what was left out."
-    train:list
-    heldout:list
-    source:str
-    dropped:list = field(default_factory=list)   # names of over-length examples dropped by sft.drop_long
-    left_out:int = 0                             # embedded pairs longer than the window (not part of the embedded set)
+
+    train: list
+    heldout: list
+    source: str
+    dropped: list = field(default_factory=list)  # names of over-length examples dropped by sft.drop_long
+    left_out: int = 0  # embedded pairs longer than the window (not part of the embedded set)
 
     def fingerprint(self) -> str:
         "A 16-hex-digit hash of every example's ids and mask, split included."
         h = hashlib.sha256()
-        for split, exs in (('train', self.train), ('heldout', self.heldout)):
+        for split, exs in (("train", self.train), ("heldout", self.heldout)):
             h.update(split.encode())
-            for e in exs: h.update(e.ids.tobytes()); h.update(np.packbits(e.loss).tobytes())
+            for e in exs:
+                h.update(e.ids.tobytes())
+                h.update(np.packbits(e.loss).tobytes())
         return h.hexdigest()[:16]
 
-def is_heldout_conversation(messages:list, frac:float) -> bool:
+
+def is_heldout_conversation(messages: list, frac: float) -> bool:
     "Whether a conversation is held out: a hash of its content below `frac`."
     return doc_hash(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()) < frac
 
+
 def qa_conversations() -> list:
     "The embedded stdlib questions as `[(name, messages)]`."
-    return [(f'stdlib-qa:{n}', [dict(role='user', content=q), dict(role='assistant', content=a)]) for n, q, a in stdlib_qa()]
+    return [
+        (f"stdlib-qa:{n}", [dict(role="user", content=q), dict(role="assistant", content=a)]) for n, q, a in stdlib_qa()
+    ]
 
-def build_sft_data(cfg:Config, codec=None) -> SFTData:
+
+def build_sft_data(cfg: Config, codec=None) -> SFTData:
     "The run's SFT examples: loaded or embedded, rendered, split by hash, gated for length."
     s, T = cfg.sft, cfg.training.seq_len
     codec = codec or build_codec(cfg.data)
     template = load_chat_template(s.chat_template) if s.chat_template else None
     convs = load_conversations(s.data) if s.data else qa_conversations()
-    examples = [(make_example(n, m, codec, s.mask, template), is_heldout_conversation(m, s.heldout_frac)) for n, m in convs]
+    examples = [
+        (make_example(n, m, codec, s.mask, template), is_heldout_conversation(m, s.heldout_frac)) for n, m in convs
+    ]
     embedded = not s.data
     kept, long = length_gate([e for e, _ in examples], T, drop=s.drop_long or embedded)
     long_names = {e.name for e in long}
     train = [e for e, h in examples if not h and e.name not in long_names]
     heldout = [e for e, h in examples if h and e.name not in long_names]
-    if s.max_train_examples: train = train[:s.max_train_examples]
-    where = f"sft.data = '{s.data}'" if s.data else 'the embedded stdlib Q&A'
-    if not heldout: raise DataError(f"{where}: no held-out example (sft.heldout_frac = {s.heldout_frac} of {len(convs)}): raise sft.heldout_frac or give more data")
-    if not train: raise DataError(f"{where}: no training example left (of {len(convs)}; {len(long)} over training.seq_len = {T})")
-    return SFTData(train, heldout, s.data or 'stdlib-qa', dropped=[] if embedded else sorted(long_names),
-                   left_out=len(long) if embedded else 0)
+    if s.max_train_examples:
+        train = train[: s.max_train_examples]
+    where = f"sft.data = '{s.data}'" if s.data else "the embedded stdlib Q&A"
+    if not heldout:
+        raise DataError(
+            f"{where}: no held-out example (sft.heldout_frac = {s.heldout_frac} of {len(convs)}): raise sft.heldout_frac or give more data"
+        )
+    if not train:
+        raise DataError(f"{where}: no training example left (of {len(convs)}; {len(long)} over training.seq_len = {T})")
+    return SFTData(
+        train,
+        heldout,
+        s.data or "stdlib-qa",
+        dropped=[] if embedded else sorted(long_names),
+        left_out=len(long) if embedded else 0,
+    )
 
 # %% ../nbs/11_sft.ipynb #90c3927e
-def pack_best_fit(lengths, capacity:int) -> list:
+def pack_best_fit(lengths, capacity: int) -> list:
     "Example indices grouped into windows of at most `capacity`: longest first, each into the fullest window it fits."
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    windows, free = [], []   # free: sorted (room left, window) of windows that still have room
+    windows, free = [], []  # free: sorted (room left, window) of windows that still have room
     for i in order:
         n = int(lengths[i])
-        if not 0 < n <= capacity: raise ValueError(f"example {i} has length {n}, outside 1..{capacity}")
-        k = bisect.bisect_left(free, (n, -1))   # the window with the least room that still fits
-        if k < len(free): room, w = free.pop(k)
-        else: room, w = capacity, len(windows); windows.append([])
+        if not 0 < n <= capacity:
+            raise ValueError(f"example {i} has length {n}, outside 1..{capacity}")
+        k = bisect.bisect_left(free, (n, -1))  # the window with the least room that still fits
+        if k < len(free):
+            room, w = free.pop(k)
+        else:
+            room, w = capacity, len(windows)
+            windows.append([])
         windows[w].append(i)
-        if room - n: bisect.insort(free, (room - n, w))
+        if room - n:
+            bisect.insort(free, (room - n, w))
     return windows
 
 # %% ../nbs/11_sft.ipynb #fa7da4b5
-def window_arrays(examples:list, windows:list, seq_len:int, pad:int) -> dict:
+def window_arrays(examples: list, windows: list, seq_len: int, pad: int) -> dict:
     "The packed windows as numpy arrays [W, seq_len]: input_ids, labels, doc_ids, position_ids."
     W = len(windows)
-    out = dict(input_ids=np.full((W, seq_len), pad, np.int64), labels=np.full((W, seq_len), -100, np.int64),
-               doc_ids=np.zeros((W, seq_len), np.int64), position_ids=np.tile(np.arange(seq_len), (W, 1)))
+    out = dict(
+        input_ids=np.full((W, seq_len), pad, np.int64),
+        labels=np.full((W, seq_len), -100, np.int64),
+        doc_ids=np.zeros((W, seq_len), np.int64),
+        position_ids=np.tile(np.arange(seq_len), (W, 1)),
+    )
     for w, win in enumerate(windows):
         off = 0
         for j, i in enumerate(win):
-            e = examples[i]; n = e.n_inputs
-            if off + n > seq_len: raise ValueError(f"window {w} overflows: {off + n} > {seq_len}")
-            out['input_ids'][w, off:off + n] = e.ids[:-1]
-            out['labels'][w, off:off + n] = np.where(e.loss[1:], e.ids[1:], -100)
-            out['doc_ids'][w, off:off + n] = j
-            out['position_ids'][w, off:off + n] = np.arange(n)
+            e = examples[i]
+            n = e.n_inputs
+            if off + n > seq_len:
+                raise ValueError(f"window {w} overflows: {off + n} > {seq_len}")
+            out["input_ids"][w, off : off + n] = e.ids[:-1]
+            out["labels"][w, off : off + n] = np.where(e.loss[1:], e.ids[1:], -100)
+            out["doc_ids"][w, off : off + n] = j
+            out["position_ids"][w, off : off + n] = np.arange(n)
             off += n
-        out['doc_ids'][w, off:] = len(win)
+        out["doc_ids"][w, off:] = len(win)
     return out
 
-def pack_examples(examples:list, seq_len:int, pad:int) -> dict:
+
+def pack_examples(examples: list, seq_len: int, pad: int) -> dict:
     "Best-fit pack `examples` into windows of `seq_len`."
     return window_arrays(examples, pack_best_fit([e.n_inputs for e in examples], seq_len), seq_len, pad)
 
 # %% ../nbs/11_sft.ipynb #184f3fa3
 class SFTLoader:
     "Packed SFT windows for one rank, epoch after epoch; `state_dict()` / `load_state_dict()` resume exactly."
-    def __init__(self, arrays:dict, batch_size:int, grad_accum:int=1, rank:int=0, world_size:int=1, seed:int=0):
-        self.arrays, self.B, self.ga, self.rank, self.world, self.seed = arrays, batch_size, grad_accum, rank, world_size, seed
-        self.n_windows = len(arrays['input_ids'])
+
+    def __init__(
+        self, arrays: dict, batch_size: int, grad_accum: int = 1, rank: int = 0, world_size: int = 1, seed: int = 0
+    ):
+        self.arrays, self.B, self.ga, self.rank, self.world, self.seed = (
+            arrays,
+            batch_size,
+            grad_accum,
+            rank,
+            world_size,
+            seed,
+        )
+        self.n_windows = len(arrays["input_ids"])
         self.per_step = batch_size * grad_accum * world_size
         self.steps_per_epoch = math.ceil(self.n_windows / self.per_step)
         self.k, self._order = 0, (None, None)
 
-    def epoch_order(self, epoch:int) -> np.ndarray:
+    def epoch_order(self, epoch: int) -> np.ndarray:
         "The windows of `epoch` in order: a permutation of all, topped up to a whole number of steps."
         rng = np.random.default_rng([self.seed, epoch])
         perm = rng.permutation(self.n_windows)
         extra = self.steps_per_epoch * self.per_step - self.n_windows
         return np.concatenate([perm, np.resize(rng.permutation(self.n_windows), extra)])
 
-    def _batch(self, k:int) -> dict:
+    def _batch(self, k: int) -> dict:
         micro_per_epoch = self.steps_per_epoch * self.ga
         epoch, j = divmod(k, micro_per_epoch)
-        if self._order[0] != epoch: self._order = (epoch, self.epoch_order(epoch))
+        if self._order[0] != epoch:
+            self._order = (epoch, self.epoch_order(epoch))
         step, m = divmod(j, self.ga)
         start = step * self.per_step + (self.rank * self.ga + m) * self.B
-        idx = self._order[1][start:start + self.B]
+        idx = self._order[1][start : start + self.B]
         return {key: torch.from_numpy(v[idx]) for key, v in self.arrays.items()}
 
     def __iter__(self):
         while True:
-            b = self._batch(self.k); self.k += 1
+            b = self._batch(self.k)
+            self.k += 1
             yield b
 
-    def epoch(self, step:int) -> float:
+    def epoch(self, step: int) -> float:
         "The epoch (fractional) reached after `step` optimizer steps."
         return step / self.steps_per_epoch
 
     def _layout(self) -> dict:
-        return dict(batch_size=self.B, grad_accum=self.ga, world_size=self.world, rank=self.rank, windows=self.n_windows,
-                    seq_len=int(self.arrays['input_ids'].shape[1]))
+        return dict(
+            batch_size=self.B,
+            grad_accum=self.ga,
+            world_size=self.world,
+            rank=self.rank,
+            windows=self.n_windows,
+            seq_len=int(self.arrays["input_ids"].shape[1]),
+        )
 
-    def state_dict(self) -> dict: return dict(k=self.k, layout=self._layout())
+    def state_dict(self) -> dict:
+        return dict(k=self.k, layout=self._layout())
 
-    def load_state_dict(self, sd:dict):
+    def load_state_dict(self, sd: dict):
         "Continue from a `state_dict` taken with the same layout (batch, accumulation, ranks, packed windows)."
-        diff = {k: (v, self._layout().get(k)) for k, v in sd['layout'].items() if self._layout().get(k) != v}
-        if diff: raise ValueError("the SFT loader state was saved with a different layout; exact resume needs the same "
-                                  + ', '.join(f'{k} (saved {a}, now {b})' for k, (a, b) in diff.items()))
-        self.k = int(sd['k'])
+        diff = {k: (v, self._layout().get(k)) for k, v in sd["layout"].items() if self._layout().get(k) != v}
+        if diff:
+            raise ValueError(
+                "the SFT loader state was saved with a different layout; exact resume needs the same "
+                + ", ".join(f"{k} (saved {a}, now {b})" for k, (a, b) in diff.items())
+            )
+        self.k = int(sd["k"])
 
 # %% ../nbs/11_sft.ipynb #515d6ff6
-def heldout_batches(arrays:dict, batch_size:int, rank:int=0, world_size:int=1) -> list:
+def heldout_batches(arrays: dict, batch_size: int, rank: int = 0, world_size: int = 1) -> list:
     "All held-out windows as batches for this rank: every rank gets the same number of non-empty batches."
-    W = len(arrays['input_ids'])
-    if W < world_size: raise DataError(f"the SFT held-out set packs into {W} windows, fewer than the {world_size} ranks: raise sft.heldout_frac")
+    W = len(arrays["input_ids"])
+    if W < world_size:
+        raise DataError(
+            f"the SFT held-out set packs into {W} windows, fewer than the {world_size} ranks: raise sft.heldout_frac"
+        )
     n_batches = math.ceil((W // world_size) / batch_size)
     mine = np.arange(rank, W, world_size)
     return [{k: torch.from_numpy(v[idx]) for k, v in arrays.items()} for idx in np.array_split(mine, n_batches)]
@@ -349,7 +489,8 @@ def heldout_batches(arrays:dict, batch_size:int, rank:int=0, world_size:int=1) -
 # %% ../nbs/11_sft.ipynb #3db0af80
 class LoRALinear(nn.Module):
     "A frozen linear layer plus a trainable low-rank update: `x W^T + (alpha/r) dropout(x) A^T B^T`."
-    def __init__(self, base:nn.Linear, rank:int, alpha:float, dropout:float=0.0):
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
         self.in_features, self.out_features, self.scale = base.in_features, base.out_features, alpha / rank
         self.weight = base.weight.requires_grad_(False)
@@ -357,173 +498,241 @@ class LoRALinear(nn.Module):
         kw = dict(device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **kw))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **kw))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))   # nn.Linear's init; B = 0 makes the update start at zero
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init; B = 0 makes the update start at zero
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+        return (
+            F.linear(x, self.weight, self.bias)
+            + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+        )
 
     def extra_repr(self) -> str:
-        return f'in_features={self.in_features}, out_features={self.out_features}, rank={len(self.lora_A)}, scale={self.scale:g}'
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={len(self.lora_A)}, scale={self.scale:g}"
 
     def merged_weight(self) -> torch.Tensor:
         "`W + scale B A`, computed in float32 and returned in the weight's dtype."
         return (self.weight.float() + self.scale * (self.lora_B.float() @ self.lora_A.float())).to(self.weight.dtype)
 
 # %% ../nbs/11_sft.ipynb #d92c6359
-def inject_lora(model:nn.Module, rank:int, alpha:float, dropout:float=0.0, targets=('wq', 'wk', 'wv', 'wo')) -> list:
+def inject_lora(
+    model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=("wq", "wk", "wv", "wo")
+) -> list:
     "Freeze `model` and wrap every `nn.Linear` whose name ends in one of `targets` with `LoRALinear`; return their names."
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    chosen = [n for n in linears if n.rsplit('.', 1)[-1] in targets]
+    chosen = [n for n in linears if n.rsplit(".", 1)[-1] in targets]
     if not chosen:
-        kinds = sorted({n.rsplit('.', 1)[-1] for n in linears})
-        raise ConfigError(f"sft.lora_targets = {list(targets)} matches no linear layer of the model; its linear layers are "
-                          f"named {', '.join(kinds)} (routed experts are grouped weights, not linear layers)")
-    for p in model.parameters(): p.requires_grad_(False)
+        kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        raise ConfigError(
+            f"sft.lora_targets = {list(targets)} matches no linear layer of the model; its linear layers are "
+            f"named {', '.join(kinds)} (routed experts are grouped weights, not linear layers)"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
     for n in chosen:
-        parent, _, attr = n.rpartition('.')
+        parent, _, attr = n.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, LoRALinear(linears[n], rank, alpha, dropout))
     return chosen
 
-def has_lora(model:nn.Module) -> bool: return any(isinstance(m, LoRALinear) for m in model.modules())
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
 
 # %% ../nbs/11_sft.ipynb #93d9daaf
-def merge_lora(model:nn.Module) -> nn.Module:
+def merge_lora(model: nn.Module) -> nn.Module:
     "A copy of `model` with every LoRA layer folded into a plain `nn.Linear`."
     out = copy.deepcopy(model)
     for n, m in list(out.named_modules()):
-        if not isinstance(m, LoRALinear): continue
-        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device, dtype=m.weight.dtype)
+        if not isinstance(m, LoRALinear):
+            continue
+        lin = nn.Linear(
+            m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device, dtype=m.weight.dtype
+        )
         with torch.no_grad():
             lin.weight.copy_(m.merged_weight())
-            if m.bias is not None: lin.bias.copy_(m.bias)
-        parent, _, attr = n.rpartition('.')
+            if m.bias is not None:
+                lin.bias.copy_(m.bias)
+        parent, _, attr = n.rpartition(".")
         setattr(out.get_submodule(parent) if parent else out, attr, lin)
-    for p in out.parameters(): p.requires_grad_(True)
+    for p in out.parameters():
+        p.requires_grad_(True)
     return out
 
-def merge_lora_state(sd:dict, scale:float) -> dict:
+
+def merge_lora_state(sd: dict, scale: float) -> dict:
     "A full state dict with each `X.lora_A` / `X.lora_B` pair folded into `X.weight` and removed."
-    out = {k: v for k, v in sd.items() if not k.endswith(('.lora_A', '.lora_B'))}
+    out = {k: v for k, v in sd.items() if not k.endswith((".lora_A", ".lora_B"))}
     for k in sd:
-        if not k.endswith('.lora_A'): continue
-        p = k[:-len('.lora_A')]
-        w = out[f'{p}.weight']
-        out[f'{p}.weight'] = (w.float() + scale * (sd[f'{p}.lora_B'].float() @ sd[k].float())).to(w.dtype)
+        if not k.endswith(".lora_A"):
+            continue
+        p = k[: -len(".lora_A")]
+        w = out[f"{p}.weight"]
+        out[f"{p}.weight"] = (w.float() + scale * (sd[f"{p}.lora_B"].float() @ sd[k].float())).to(w.dtype)
     return out
 
 # %% ../nbs/11_sft.ipynb #e58d927d
-def run_mode(cfg:Config) -> str: return 'lora' if cfg.sft.lora_rank else 'full'
+def run_mode(cfg: Config) -> str:
+    return "lora" if cfg.sft.lora_rank else "full"
 
-def check_mode(meta:dict, cfg:Config):
+
+def check_mode(meta: dict, cfg: Config):
     "Refuse to resume LoRA state in a full-parameter run, or full-parameter state in a LoRA run."
-    saved, now = meta.get('mode', 'full'), run_mode(cfg)
-    if saved == now: return
-    what = {'lora': 'LoRA adapters over a frozen base', 'full': 'full-parameter weights and optimizer state'}
-    raise ck.ResumeError(f"cannot resume {meta.get('path', 'the checkpoint')}: it holds {what[saved]} ({saved} mode) and this "
-                         f"run is {now} (sft.lora_rank = {cfg.sft.lora_rank}). LoRA and full-parameter states never mix: resume "
-                         f"with sft.lora_rank = {meta.get('config', {}).get('sft', {}).get('lora_rank', '?')}, or start a new "
-                         "run with --init from a full-parameter checkpoint")
+    saved, now = meta.get("mode", "full"), run_mode(cfg)
+    if saved == now:
+        return
+    what = {"lora": "LoRA adapters over a frozen base", "full": "full-parameter weights and optimizer state"}
+    raise ck.ResumeError(
+        f"cannot resume {meta.get('path', 'the checkpoint')}: it holds {what[saved]} ({saved} mode) and this "
+        f"run is {now} (sft.lora_rank = {cfg.sft.lora_rank}). LoRA and full-parameter states never mix: resume "
+        f"with sft.lora_rank = {meta.get('config', {}).get('sft', {}).get('lora_rank', '?')}, or start a new "
+        "run with --init from a full-parameter checkpoint"
+    )
 
 # %% ../nbs/11_sft.ipynb #e867dc22
 class SFTHooks(StageHooks):
     "The SFT stage: epochs into steps, packed conversations, the whole held-out set, LoRA, merged export, metrics.csv."
-    def __init__(self): self._data, self._key, self._packed, self.cfg = None, None, {}, None
 
-    def sft_data(self, cfg:Config) -> SFTData:
+    def __init__(self):
+        self._data, self._key, self._packed, self.cfg = None, None, {}, None
+
+    def sft_data(self, cfg: Config) -> SFTData:
         "The run's `SFTData`, built once per config."
-        key = json.dumps([cfg.sft.__dict__, cfg.data.codec, cfg.data.tokenizer, cfg.training.seq_len], sort_keys=True, default=str)
-        if self._key != key: self._data, self._key, self._packed = build_sft_data(cfg), key, {}
+        key = json.dumps(
+            [cfg.sft.__dict__, cfg.data.codec, cfg.data.tokenizer, cfg.training.seq_len], sort_keys=True, default=str
+        )
+        if self._key != key:
+            self._data, self._key, self._packed = build_sft_data(cfg), key, {}
         return self._data
 
-    def _arrays(self, cfg:Config, split:str) -> dict:
+    def _arrays(self, cfg: Config, split: str) -> dict:
         d = self.sft_data(cfg)
         if split not in self._packed:
-            self._packed[split] = pack_examples(d.train if split == 'train' else d.heldout, cfg.training.seq_len, build_codec(cfg.data).pad)
+            self._packed[split] = pack_examples(
+                d.train if split == "train" else d.heldout, cfg.training.seq_len, build_codec(cfg.data).pad
+            )
         return self._packed[split]
 
-    def check_resume(self, meta:dict, cfg:Config):
+    def check_resume(self, meta: dict, cfg: Config):
         "Refuse a resume that mixes LoRA and full-parameter state (`check_mode`)."
         check_mode(meta, cfg)
 
-    def config(self, cfg:Config) -> Config:
+    def config(self, cfg: Config) -> Config:
         cfg = copy.deepcopy(cfg)
         t, s = cfg.training, cfg.sft
         per_step = t.batch_size * t.grad_accum * dist_env().world_size
-        self.steps_per_epoch = math.ceil(len(self._arrays(cfg, 'train')['input_ids']) / per_step)
+        self.steps_per_epoch = math.ceil(len(self._arrays(cfg, "train")["input_ids"]) / per_step)
         t.max_steps = self.steps_per_epoch * s.epochs
         t.warmup_steps = min(round(s.warmup_frac * t.max_steps), t.max_steps - 1)
         t.lr, t.min_lr = s.lr, s.min_lr
         t.eval_every = t.checkpoint_every = self.steps_per_epoch
         t.eval_at_start = True
-        if s.lora_rank: cfg.model.bias_gamma = 0.0
+        if s.lora_rank:
+            cfg.model.bias_gamma = 0.0
         self.cfg = validate(cfg)
         return cfg
 
-    def data(self, cfg:Config, rank:int, world_size:int) -> tuple:
+    def data(self, cfg: Config, rank: int, world_size: int) -> tuple:
         t = cfg.training
-        loader = SFTLoader(self._arrays(cfg, 'train'), t.batch_size, t.grad_accum, rank, world_size, t.seed)
-        return loader, heldout_batches(self._arrays(cfg, 'heldout'), t.batch_size, rank, world_size)
+        loader = SFTLoader(self._arrays(cfg, "train"), t.batch_size, t.grad_accum, rank, world_size, t.seed)
+        return loader, heldout_batches(self._arrays(cfg, "heldout"), t.batch_size, rank, world_size)
 
-    def model(self, model:nn.Module, cfg:Config) -> nn.Module:
+    def model(self, model: nn.Module, cfg: Config) -> nn.Module:
         s = cfg.sft
-        if s.lora_rank: inject_lora(model, s.lora_rank, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets))
+        if s.lora_rank:
+            inject_lora(model, s.lora_rank, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets))
         return model
 
-    def export_model(self, model:nn.Module):
+    def export_model(self, model: nn.Module):
         "The model to export: itself (full-parameter), a merged copy, or a merged full state dict when sharded."
-        raw = getattr(model, 'module', model)   # DDP's wrapper would prefix every name with 'module.'
-        if not has_lora(raw): return raw
-        if not ck.is_sharded(raw): return merge_lora(raw)
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+        raw = getattr(model, "module", model)  # DDP's wrapper would prefix every name with 'module.'
+        if not has_lora(raw):
+            return raw
+        if not ck.is_sharded(raw):
+            return merge_lora(raw)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         sd = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return merge_lora_state(sd, self.cfg.sft.lora_alpha / self.cfg.sft.lora_rank)
 
-    def notes(self, cfg:Config) -> list:
+    def notes(self, cfg: Config) -> list:
         "What the run record says about the SFT data."
         d, s, T = self.sft_data(cfg), cfg.sft, cfg.training.seq_len
-        out = [f"sft data {d.source} (hash {d.fingerprint()}): {len(d.train)} training examples packed into "
-               f"{len(self._arrays(cfg, 'train')['input_ids'])} windows of {T}, {len(d.heldout)} held-out examples, all "
-               f"evaluated at the source checkpoint and every epoch; loss on {'the final assistant turn' if s.mask == 'final' else 'every assistant turn'}"]
-        if d.dropped: out.append(f"sft.drop_long: {len(d.dropped)} over-length examples dropped (longer than training.seq_len = {T}): "
-                                 + ', '.join(d.dropped[:10]) + (' ...' if len(d.dropped) > 10 else ''))
-        if d.left_out: out.append(f"embedded stdlib Q&A: {d.left_out} pairs longer than training.seq_len = {T} are not in the set")
-        if s.lora_rank: out.append(f"LoRA (rank {s.lora_rank}, alpha {s.lora_alpha}, targets {list(s.lora_targets)}): an "
-                                   "experimental mode, not a substitute for the full-parameter release (seed 002)")
+        out = [
+            f"sft data {d.source} (hash {d.fingerprint()}): {len(d.train)} training examples packed into "
+            f"{len(self._arrays(cfg, 'train')['input_ids'])} windows of {T}, {len(d.heldout)} held-out examples, all "
+            f"evaluated at the source checkpoint and every epoch; loss on {'the final assistant turn' if s.mask == 'final' else 'every assistant turn'}"
+        ]
+        if d.dropped:
+            out.append(
+                f"sft.drop_long: {len(d.dropped)} over-length examples dropped (longer than training.seq_len = {T}): "
+                + ", ".join(d.dropped[:10])
+                + (" ..." if len(d.dropped) > 10 else "")
+            )
+        if d.left_out:
+            out.append(f"embedded stdlib Q&A: {d.left_out} pairs longer than training.seq_len = {T} are not in the set")
+        if s.lora_rank:
+            out.append(
+                f"LoRA (rank {s.lora_rank}, alpha {s.lora_alpha}, targets {list(s.lora_targets)}): an "
+                "experimental mode, not a substitute for the full-parameter release (seed 002)"
+            )
         return out
 
-    def callbacks(self, cfg:Config, run_dir) -> list:
+    def callbacks(self, cfg: Config, run_dir) -> list:
         return [SFTCallback(run_dir, self.steps_per_epoch, self.notes(cfg))]
 
 # %% ../nbs/11_sft.ipynb #c39401fa
 class SFTCallback(Callback):
     "RUN/metrics.csv, one row per held-out evaluation, and the SFT data notes in the run record."
-    columns = ('step', 'epoch', 'tokens', 'val/loss', 'val/bpb')
-    def __init__(self, run_dir, steps_per_epoch:int, notes=()):
-        self.path, self.steps_per_epoch, self.notes, self.started = Path(run_dir) / 'metrics.csv', steps_per_epoch, list(notes), False
+
+    columns = ("step", "epoch", "tokens", "val/loss", "val/bpb")
+
+    def __init__(self, run_dir, steps_per_epoch: int, notes=()):
+        self.path, self.steps_per_epoch, self.notes, self.started = (
+            Path(run_dir) / "metrics.csv",
+            steps_per_epoch,
+            list(notes),
+            False,
+        )
 
     def _start(self, trainer):
-        if self.started or not trainer.is_main: return
+        if self.started or not trainer.is_main:
+            return
         self.started = True
-        if self.path.exists():   # a resumed run: keep the rows up to its checkpoint
-            with open(self.path) as f: rows = [r for r in csv.DictReader(f) if trainer.step and int(r['step']) <= trainer.step]
-            self._write(rows, 'w')
-        rec = getattr(trainer, 'record', None)
+        if self.path.exists():  # a resumed run: keep the rows up to its checkpoint
+            with open(self.path) as f:
+                rows = [r for r in csv.DictReader(f) if trainer.step and int(r["step"]) <= trainer.step]
+            self._write(rows, "w")
+        rec = getattr(trainer, "record", None)
         if rec is not None and trainer.run_dir is not None:
-            rec.limitations = [l for l in rec.limitations if not l.startswith(('sft data', 'sft.drop_long', 'embedded stdlib', 'LoRA ('))] + self.notes
-            rec.save(trainer.run_dir / 'record.json')
+            rec.limitations = [
+                l
+                for l in rec.limitations
+                if not l.startswith(("sft data", "sft.drop_long", "embedded stdlib", "LoRA ("))
+            ] + self.notes
+            rec.save(trainer.run_dir / "record.json")
 
-    def _write(self, rows, mode='a'):
-        new = mode == 'w' or not self.path.exists()
-        with open(self.path, mode, newline='') as f:
-            w = csv.DictWriter(f, fieldnames=self.columns, extrasaction='ignore')
-            if new: w.writeheader()
+    def _write(self, rows, mode="a"):
+        new = mode == "w" or not self.path.exists()
+        with open(self.path, mode, newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore")
+            if new:
+                w.writeheader()
             w.writerows(rows)
 
-    def before_step(self, trainer): self._start(trainer)
-
-    def on_eval(self, trainer, metrics:dict):
+    def before_step(self, trainer):
         self._start(trainer)
-        if not trainer.is_main: return
-        self._write([{'step': trainer.step, 'epoch': round(trainer.step / self.steps_per_epoch, 4), 'tokens': trainer.tokens,
-                      **{k: f'{v:.6f}' for k, v in metrics.items() if k in self.columns}}])
+
+    def on_eval(self, trainer, metrics: dict):
+        self._start(trainer)
+        if not trainer.is_main:
+            return
+        self._write(
+            [
+                {
+                    "step": trainer.step,
+                    "epoch": round(trainer.step / self.steps_per_epoch, 4),
+                    "tokens": trainer.tokens,
+                    **{k: f"{v:.6f}" for k, v in metrics.items() if k in self.columns},
+                }
+            ]
+        )

@@ -12,442 +12,656 @@ __all__ = ['lr_at', 'set_lr', 'StopFlag', 'Callback', 'run_callbacks', 'NonFinit
            'cipher_train']
 
 # %% ../nbs/10_train.ipynb #d07365ba
-import json, math, os, signal, sys, time, warnings
+import json
+import math
+import os
+import signal
+import sys
+import time
+import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .core import DistEnv, dist_env, autocast, autocast_dtype, resolve_device
 from .config import Config, TrainConfig
+from .core import DistEnv, autocast, autocast_dtype, dist_env, resolve_device
 from .moe import MoE, update_moe_biases
 from .monitor import mem_gb, mfu
 
 # %% ../nbs/10_train.ipynb #58134f49
-def lr_at(step:int, t:TrainConfig) -> float:
+def lr_at(step: int, t: TrainConfig) -> float:
     "Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
-    if step < t.warmup_steps: return t.lr * (step + 1) / t.warmup_steps
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 # %% ../nbs/10_train.ipynb #1533d81b
-def set_lr(optimizer, lr:float, frozen:set=frozenset()):
+def set_lr(optimizer, lr: float, frozen: set = frozenset()):
     "Give every group `lr * lr_mult`; groups whose parameters are all in `frozen` get 0 (frozen without touching requires_grad)."
     for g in optimizer.param_groups:
-        is_frozen = bool(frozen) and all(id(p) in frozen for p in g['params'])
-        g['lr'] = 0.0 if is_frozen else lr * g.get('lr_mult', 1.0)
+        is_frozen = bool(frozen) and all(id(p) in frozen for p in g["params"])
+        g["lr"] = 0.0 if is_frozen else lr * g.get("lr_mult", 1.0)
 
 # %% ../nbs/10_train.ipynb #0f5c9747
 class StopFlag:
     "SIGTERM / SIGINT raise a flag read between steps; a second signal exits at once."
-    def __init__(self): self.raised, self.signum, self._old = False, None, {}
+
+    def __init__(self):
+        self.raised, self.signum, self._old = False, None, {}
+
     def _handle(self, signum, frame):
-        if self.raised: os._exit(128 + signum)
+        if self.raised:
+            os._exit(128 + signum)
         self.raised, self.signum = True, signum
-        print(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint "
-              "(send it again to exit at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint "
+            "(send it again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def install(self):
         "Take over SIGTERM and SIGINT (main thread only; elsewhere signals cannot be caught)."
         import threading
-        if threading.current_thread() is not threading.main_thread(): return self
-        for s in (signal.SIGTERM, signal.SIGINT): self._old[s] = signal.signal(s, self._handle)
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self._old[s] = signal.signal(s, self._handle)
         return self
+
     def uninstall(self):
-        for s, h in self._old.items(): signal.signal(s, h)
+        for s, h in self._old.items():
+            signal.signal(s, h)
         self._old = {}
 
 # %% ../nbs/10_train.ipynb #e0596133
 class Callback:
     "The hooks a callback may implement; every one receives the trainer."
-    def before_step(self, trainer): pass
-    def after_backward(self, trainer): pass
-    def after_step(self, trainer): pass
-    def on_log(self, trainer, metrics:dict): pass
-    def on_eval(self, trainer, metrics:dict): pass
-    def on_checkpoint(self, trainer, path): pass
-    def on_end(self, trainer): pass
 
-def run_callbacks(callbacks, hook:str, *args):
+    def before_step(self, trainer):
+        pass
+
+    def after_backward(self, trainer):
+        pass
+
+    def after_step(self, trainer):
+        pass
+
+    def on_log(self, trainer, metrics: dict):
+        pass
+
+    def on_eval(self, trainer, metrics: dict):
+        pass
+
+    def on_checkpoint(self, trainer, path):
+        pass
+
+    def on_end(self, trainer):
+        pass
+
+
+def run_callbacks(callbacks, hook: str, *args):
     "Call `hook` on every callback that has it."
     for cb in callbacks:
         f = getattr(cb, hook, None)
-        if f is not None: f(*args)
+        if f is not None:
+            f(*args)
 
 # %% ../nbs/10_train.ipynb #7ca3cfcb
 class NonFiniteError(RuntimeError):
     "Too many non-finite steps in a row: the run stops and the last good checkpoint is kept."
 
+
 class Trainer:
     "Optimizer-step training loop with accumulation, clipping, a cosine schedule, skips of non-finite steps, callbacks."
-    def __init__(self, cfg:Config, model:nn.Module, optimizer, loader, run_dir=None, eval_fn=None, callbacks=(),
-                 checkpoint_fn=None, device=None, env:DistEnv=None, flops_per_token:float=None, peak_flops:float=None):
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        optimizer,
+        loader,
+        run_dir=None,
+        eval_fn=None,
+        callbacks=(),
+        checkpoint_fn=None,
+        device=None,
+        env: DistEnv = None,
+        flops_per_token: float = None,
+        peak_flops: float = None,
+    ):
         self.cfg, self.model, self.optimizer, self.loader = cfg, model, optimizer, loader
-        self.raw_model = getattr(model, 'module', model)
+        self.raw_model = getattr(model, "module", model)
         self.device = device or next(model.parameters()).device
         self.env = env or dist_env()
         self.run_dir = Path(run_dir) if run_dir else None
         self.eval_fn, self.callbacks, self.checkpoint_fn = eval_fn, list(callbacks), checkpoint_fn
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.dtype = autocast_dtype(self.device, cfg.training.precision)
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None   # fp16 only
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None  # fp16 only
         self.step, self.tokens, self.skipped, self.nonfinite_run = 0, 0, 0, 0
         self.bp_mode, self.last_out, self.stopped = None, None, False
         self.stop = StopFlag()
         names = dict(self.raw_model.named_parameters())
         self.clip_groups = {k: [p for n, p in names.items() if k in n] for k in cfg.optim.clip_groups}
-        self.bp_params = {id(p) for n, p in names.items() if 'boundary' in n}
-        self.fault_nan_step = int(os.environ.get('CIPHER_FAULT_NAN_STEP', -1))   # test hook: poison one step's loss
-        self.fault_kill_step = int(os.environ.get('CIPHER_FAULT_KILL_STEP', -1)) # test hook: SIGKILL after this step's checkpoint
-        self._data = None   # the loader's iterator starts at the first step, after any resume has restored its state
+        self.bp_params = {id(p) for n, p in names.items() if "boundary" in n}
+        self.fault_nan_step = int(os.environ.get("CIPHER_FAULT_NAN_STEP", -1))  # test hook: poison one step's loss
+        self.fault_kill_step = int(
+            os.environ.get("CIPHER_FAULT_KILL_STEP", -1)
+        )  # test hook: SIGKILL after this step's checkpoint
+        self._data = None  # the loader's iterator starts at the first step, after any resume has restored its state
 
     @property
-    def is_main(self) -> bool: return self.env.is_main
+    def is_main(self) -> bool:
+        return self.env.is_main
 
-    def state_dict(self) -> dict: return dict(step=self.step, tokens=self.tokens, skipped=self.skipped)
-    def load_state_dict(self, d:dict): self.step, self.tokens, self.skipped = int(d['step']), int(d['tokens']), int(d.get('skipped', 0))
+    def state_dict(self) -> dict:
+        return dict(step=self.step, tokens=self.tokens, skipped=self.skipped)
+
+    def load_state_dict(self, d: dict):
+        self.step, self.tokens, self.skipped = int(d["step"]), int(d["tokens"]), int(d.get("skipped", 0))
 
 # %% ../nbs/10_train.ipynb #12857262
-def _sum_all(x:torch.Tensor, env:DistEnv, op=None) -> torch.Tensor:
-    if env.distributed and dist.is_initialized(): dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+def _sum_all(x: torch.Tensor, env: DistEnv, op=None) -> torch.Tensor:
+    if env.distributed and dist.is_initialized():
+        dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
     return x
 
-def _no_sync(model, last:bool):
-    if last: return nullcontext()
-    if hasattr(model, 'no_sync'): return model.no_sync()                   # DDP
-    if hasattr(model, 'set_requires_gradient_sync'):                        # FSDP2
-        model.set_requires_gradient_sync(False); return nullcontext()
+
+def _no_sync(model, last: bool):
+    if last:
+        return nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()  # DDP
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        return nullcontext()
     return nullcontext()
 
-def _forward_backward(self:Trainer, batches:list) -> dict:
+
+def _forward_backward(self: Trainer, batches: list) -> dict:
     "Accumulate gradients over `batches`; return the step's token-weighted LM loss and mean aux losses (tensors)."
-    n = [(b['labels'] != -100).sum() for b in batches]
+    n = [(b["labels"] != -100).sum() for b in batches]
     n_all = _sum_all(torch.stack(n).sum().float(), self.env)
     world, ga = self.env.world_size, len(batches)
     lm, aux_sum = torch.zeros((), device=self.device), {}
     for i, b in enumerate(batches):
         last = i == ga - 1
-        if last and hasattr(self.model, 'set_requires_gradient_sync'): self.model.set_requires_gradient_sync(True)
+        if last and hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(True)
         with _no_sync(self.model, last), autocast(self.device, self.dtype):
             out = self.model(**b, bp_mode=self.bp_mode) if self.bp_mode else self.model(**b)
-            weight = n[i].float() * world / n_all.clamp(min=1)       # DDP / FSDP average over ranks; undo it per token
+            weight = n[i].float() * world / n_all.clamp(min=1)  # DDP / FSDP average over ranks; undo it per token
             objective = out.loss.float() * weight + sum(v.float() for v in out.aux.values()) / ga
-            if self.step == self.fault_nan_step: objective = objective * float('nan')
+            if self.step == self.fault_nan_step:
+                objective = objective * float("nan")
         (self.scaler.scale(objective) if self.scaler else objective).backward()
         lm = lm + out.loss.detach().float() * n[i]
-        for k, v in out.aux.items(): aux_sum[k] = aux_sum.get(k, 0) + v.detach().float() / ga
+        for k, v in out.aux.items():
+            aux_sum[k] = aux_sum.get(k, 0) + v.detach().float() / ga
     self.last_out = out
     lm = _sum_all(lm, self.env) / n_all.clamp(min=1)
-    return {'loss/lm': lm, **{f'loss/{k}': v for k, v in aux_sum.items()}, 'loss': lm + sum(aux_sum.values())}
+    return {"loss/lm": lm, **{f"loss/{k}": v for k, v in aux_sum.items()}, "loss": lm + sum(aux_sum.values())}
+
 
 Trainer._forward_backward = _forward_backward
 
 # %% ../nbs/10_train.ipynb #fa054a5b
-def discard_moe_load(model:nn.Module):
+def discard_moe_load(model: nn.Module):
     "Drop the routing counts accumulated since the last optimizer step (a skipped step)."
     for m in model.modules():
-        if isinstance(m, MoE): m.take_load()
+        if isinstance(m, MoE):
+            m.take_load()
 
 # %% ../nbs/10_train.ipynb #5753a8bc
-def _clip(self:Trainer) -> torch.Tensor:
-    if self.scaler: self.scaler.unscale_(self.optimizer)
+def _clip(self: Trainer) -> torch.Tensor:
+    if self.scaler:
+        self.scaler.unscale_(self.optimizer)
     params = [p for p in self.model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.training.grad_clip)
-    if hasattr(norm, 'full_tensor'): norm = norm.full_tensor()   # FSDP2: the norm of sharded gradients is a DTensor
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()  # FSDP2: the norm of sharded gradients is a DTensor
     for key, group in self.clip_groups.items():
         group = [p for p in group if p.grad is not None]
-        if group: torch.nn.utils.clip_grad_norm_(group, self.cfg.optim.clip_groups[key])
+        if group:
+            torch.nn.utils.clip_grad_norm_(group, self.cfg.optim.clip_groups[key])
     return norm
 
-def train_step(self:Trainer) -> dict:
+
+def train_step(self: Trainer) -> dict:
     "One optimizer step over `grad_accum` micro-batches; returns its metrics as tensors (no host sync but the finite check)."
     t = self.cfg.training
     frozen = self.bp_params if self.step < self.bp_freeze_steps else set()
     set_lr(self.optimizer, lr_at(self.step, t), frozen)
-    if self._data is None: self._data = iter(self.loader)
-    batches = [{k: v.to(self.device, non_blocking=True) for k, v in next(self._data).items()} for _ in range(t.grad_accum)]
-    self.tokens += sum(b['input_ids'].numel() for b in batches) * self.env.world_size
+    if self._data is None:
+        self._data = iter(self.loader)
+    batches = [
+        {k: v.to(self.device, non_blocking=True) for k, v in next(self._data).items()} for _ in range(t.grad_accum)
+    ]
+    self.tokens += sum(b["input_ids"].numel() for b in batches) * self.env.world_size
     res = self._forward_backward(batches)
-    run_callbacks(self.callbacks, 'after_backward', self)
+    run_callbacks(self.callbacks, "after_backward", self)
     norm = self._clip()
-    finite = _sum_all((torch.isfinite(res['loss']) & torch.isfinite(norm)).float(), self.env, dist.ReduceOp.MIN if dist.is_available() else None)
+    finite = _sum_all(
+        (torch.isfinite(res["loss"]) & torch.isfinite(norm)).float(),
+        self.env,
+        dist.ReduceOp.MIN if dist.is_available() else None,
+    )
     if not bool(finite.item()):
         self.optimizer.zero_grad(set_to_none=True)
-        discard_moe_load(self.raw_model)   # this step's routing counts must not steer the balancing bias
-        if self.scaler: self.scaler.update()
-        self.skipped += 1; self.nonfinite_run += 1
-        if self.step == self.fault_nan_step: self.fault_nan_step = -1   # the test hook fires once
-        warnings.warn(f"step {self.step}: non-finite loss or gradient norm, step skipped "
-                      f"({self.nonfinite_run} in a row, {self.skipped} in all)")
+        discard_moe_load(self.raw_model)  # this step's routing counts must not steer the balancing bias
+        if self.scaler:
+            self.scaler.update()
+        self.skipped += 1
+        self.nonfinite_run += 1
+        if self.step == self.fault_nan_step:
+            self.fault_nan_step = -1  # the test hook fires once
+        warnings.warn(
+            f"step {self.step}: non-finite loss or gradient norm, step skipped "
+            f"({self.nonfinite_run} in a row, {self.skipped} in all)"
+        )
         if self.nonfinite_run >= t.max_nonfinite:
-            raise NonFiniteError(f"{self.nonfinite_run} non-finite steps in a row at step {self.step}: stopping. The last "
-                                 "complete checkpoint is untouched; lower training.lr, raise model.z_loss_weight or check the data")
+            raise NonFiniteError(
+                f"{self.nonfinite_run} non-finite steps in a row at step {self.step}: stopping. The last "
+                "complete checkpoint is untouched; lower training.lr, raise model.z_loss_weight or check the data"
+            )
         return None
     self.nonfinite_run = 0
-    if self.scaler: self.scaler.step(self.optimizer); self.scaler.update()
-    else: self.optimizer.step()
+    if self.scaler:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+    else:
+        self.optimizer.step()
     self.optimizer.zero_grad(set_to_none=True)
-    update_moe_biases(self.raw_model)   # DeepSeek-V3 bias step from the counts of every micro-batch (all ranks)
+    update_moe_biases(self.raw_model)  # DeepSeek-V3 bias step from the counts of every micro-batch (all ranks)
     self.step += 1
-    return {**res, 'grad_norm': norm.detach().float(), 'lr': lr_at(self.step - 1, t)}
+    return {**res, "grad_norm": norm.detach().float(), "lr": lr_at(self.step - 1, t)}
+
 
 Trainer._clip, Trainer.train_step = _clip, train_step
-Trainer.bp_freeze_steps = property(lambda self: self.cfg.training.warmup_steps if self.cfg.optim.bp_freeze_steps < 0 else self.cfg.optim.bp_freeze_steps)
+Trainer.bp_freeze_steps = property(
+    lambda self: (
+        self.cfg.training.warmup_steps if self.cfg.optim.bp_freeze_steps < 0 else self.cfg.optim.bp_freeze_steps
+    )
+)
 
 # %% ../nbs/10_train.ipynb #0b3ba83c
-def _log_row(self:Trainer, window:list, seconds:float) -> dict:
-    keys = sorted({k for r in window for k in r if k not in ('lr',)})
-    means = torch.stack([torch.stack([torch.as_tensor(r.get(k, 0.0), dtype=torch.float32, device=self.device) for r in window]).mean() for k in keys]).tolist()
-    row = {'step': self.step, 'tokens': self.tokens, **dict(zip(keys, means)), 'lr': window[-1]['lr']}
+def _log_row(self: Trainer, window: list, seconds: float) -> dict:
+    keys = sorted({k for r in window for k in r if k not in ("lr",)})
+    means = torch.stack(
+        [
+            torch.stack(
+                [torch.as_tensor(r.get(k, 0.0), dtype=torch.float32, device=self.device) for r in window]
+            ).mean()
+            for k in keys
+        ]
+    ).tolist()
+    row = {"step": self.step, "tokens": self.tokens, **dict(zip(keys, means)), "lr": window[-1]["lr"]}
     t = self.cfg.training
-    row['tok_per_s'] = len(window) * t.grad_accum * t.batch_size * t.seq_len * self.env.world_size / max(seconds, 1e-9)
-    row['mfu'] = mfu(row['tok_per_s'], self.flops_per_token, self.peak_flops, self.env.world_size) if self.flops_per_token else None
-    row['mem_gb'] = mem_gb(self.device)
-    row['skipped'] = self.skipped
+    row["tok_per_s"] = len(window) * t.grad_accum * t.batch_size * t.seq_len * self.env.world_size / max(seconds, 1e-9)
+    row["mfu"] = (
+        mfu(row["tok_per_s"], self.flops_per_token, self.peak_flops, self.env.world_size)
+        if self.flops_per_token
+        else None
+    )
+    row["mem_gb"] = mem_gb(self.device)
+    row["skipped"] = self.skipped
     return row
 
-def write_metrics(self:Trainer, row:dict):
-    "Append `row` to RUN/metrics.jsonl (rank 0)."
-    if not (self.is_main and self.run_dir): return
-    with open(self.run_dir / 'metrics.jsonl', 'a') as f: f.write(json.dumps(row) + '\n')
 
-def _line(row:dict, max_steps:int) -> str:
+def write_metrics(self: Trainer, row: dict):
+    "Append `row` to RUN/metrics.jsonl (rank 0)."
+    if not (self.is_main and self.run_dir):
+        return
+    with open(self.run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _line(row: dict, max_steps: int) -> str:
     parts = [f"step {row['step']:>6}/{max_steps}", f"loss {row['loss']:.4f}"]
-    if 'val/loss' in row: parts.append(f"val {row['val/loss']:.4f}")
-    if 'val/bpb' in row: parts.append(f"bpb {row['val/bpb']:.3f}")
-    parts += [f"lr {row['lr']:.2e}", f"gnorm {row.get('grad_norm', float('nan')):.2f}", f"{row['tok_per_s']:,.0f} tok/s"]
-    if row.get('mfu') is not None: parts.append(f"mfu {100 * row['mfu']:.1f}%")
-    return ' | '.join(parts)
+    if "val/loss" in row:
+        parts.append(f"val {row['val/loss']:.4f}")
+    if "val/bpb" in row:
+        parts.append(f"bpb {row['val/bpb']:.3f}")
+    parts += [
+        f"lr {row['lr']:.2e}",
+        f"gnorm {row.get('grad_norm', float('nan')):.2f}",
+        f"{row['tok_per_s']:,.0f} tok/s",
+    ]
+    if row.get("mfu") is not None:
+        parts.append(f"mfu {100 * row['mfu']:.1f}%")
+    return " | ".join(parts)
+
 
 Trainer._log_row, Trainer.write_metrics = _log_row, write_metrics
 
 # %% ../nbs/10_train.ipynb #3ee0b474
-def _stop_agreed(self:Trainer) -> bool:
+def _stop_agreed(self: Trainer) -> bool:
     flag = torch.tensor(float(self.stop.raised), device=self.device)
     return bool(_sum_all(flag, self.env, dist.ReduceOp.MAX if dist.is_available() else None).item())
 
-def evaluate(self:Trainer) -> dict:
+
+def evaluate(self: Trainer) -> dict:
     "Run `eval_fn(trainer)`, let callbacks see the result, and return it."
-    if self.eval_fn is None: return {}
+    if self.eval_fn is None:
+        return {}
     self.model.eval()
-    try: res = self.eval_fn(self)
-    finally: self.model.train()
-    run_callbacks(self.callbacks, 'on_eval', self, res)
+    try:
+        res = self.eval_fn(self)
+    finally:
+        self.model.train()
+    run_callbacks(self.callbacks, "on_eval", self, res)
     return res
 
-def save(self:Trainer, tag:str='step'):
+
+def save(self: Trainer, tag: str = "step"):
     "Write a checkpoint through `checkpoint_fn` (every rank calls it; it decides who writes)."
-    if self.checkpoint_fn is None: return None
+    if self.checkpoint_fn is None:
+        return None
     path = self.checkpoint_fn(self, tag)
-    run_callbacks(self.callbacks, 'on_checkpoint', self, path)
-    if self.step == self.fault_kill_step: os.kill(os.getpid(), signal.SIGKILL)
+    run_callbacks(self.callbacks, "on_checkpoint", self, path)
+    if self.step == self.fault_kill_step:
+        os.kill(os.getpid(), signal.SIGKILL)
     return path
 
-def fit(self:Trainer, progress:bool=True) -> 'Trainer':
+
+def fit(self: Trainer, progress: bool = True) -> "Trainer":
     "Train until `training.max_steps` optimizer steps or a stop signal."
     from tqdm.auto import tqdm
+
     t = self.cfg.training
-    self.model.train(); self.stop.install()
-    bar = tqdm(total=t.max_steps, initial=self.step, disable=not (progress and self.is_main), dynamic_ncols=True, leave=False)
+    self.model.train()
+    self.stop.install()
+    bar = tqdm(
+        total=t.max_steps, initial=self.step, disable=not (progress and self.is_main), dynamic_ncols=True, leave=False
+    )
     window, t0 = [], time.perf_counter()
     try:
-        if t.eval_at_start and self.step == 0:   # the starting point (SFT: the source checkpoint) on the same held-out set
-            row = {'step': 0, 'tokens': self.tokens, **self.evaluate()}
-            run_callbacks(self.callbacks, 'on_log', self, row); self.write_metrics(row)
+        if (
+            t.eval_at_start and self.step == 0
+        ):  # the starting point (SFT: the source checkpoint) on the same held-out set
+            row = {"step": 0, "tokens": self.tokens, **self.evaluate()}
+            run_callbacks(self.callbacks, "on_log", self, row)
+            self.write_metrics(row)
         while self.step < t.max_steps:
-            run_callbacks(self.callbacks, 'before_step', self)
+            run_callbacks(self.callbacks, "before_step", self)
             res = self.train_step()
-            if res is None: continue
-            window.append(res); bar.update(1)
-            run_callbacks(self.callbacks, 'after_step', self)
+            if res is None:
+                continue
+            window.append(res)
+            bar.update(1)
+            run_callbacks(self.callbacks, "after_step", self)
             row = None
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 row = self._log_row(window, time.perf_counter() - t0)
                 window, t0 = [], time.perf_counter()
             if self.step % t.eval_every == 0 or self.step == t.max_steps:
-                row = {**(row or {'step': self.step, 'tokens': self.tokens}), **self.evaluate()}
+                row = {**(row or {"step": self.step, "tokens": self.tokens}), **self.evaluate()}
             if row is not None:
-                run_callbacks(self.callbacks, 'on_log', self, row)
+                run_callbacks(self.callbacks, "on_log", self, row)
                 self.write_metrics(row)
-                if self.is_main and 'loss' in row:
+                if self.is_main and "loss" in row:
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_per_s']:,.0f}")
                     bar.write(_line(row, t.max_steps))
             if self._stop_agreed():
                 self.stopped = True
-                self.save('emergency')
+                self.save("emergency")
                 break
-            if self.step % t.checkpoint_every == 0 and self.step < t.max_steps: self.save('step')
+            if self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
+                self.save("step")
     finally:
-        bar.close(); self.stop.uninstall()
+        bar.close()
+        self.stop.uninstall()
     if not self.stopped:
-        self.save('final')
-        run_callbacks(self.callbacks, 'on_end', self)
+        self.save("final")
+        run_callbacks(self.callbacks, "on_end", self)
     return self
+
 
 Trainer._stop_agreed, Trainer.evaluate, Trainer.save, Trainer.fit = _stop_agreed, evaluate, save, fit
 
 # %% ../nbs/10_train.ipynb #79caf8db
 from itertools import islice
 
-from .core import seed_everything, dist_backend
-from .config import load_config, save_config, config_from_dict, flops_per_token, ConfigError
-from .data import build_codec, data_fingerprint
+from . import checkpoint as ck
 from . import data as cdata
+from .config import ConfigError, flops_per_token, save_config
+from .core import dist_backend, seed_everything
 from .curriculum import Curriculum, build_loader
+from .data import build_codec, data_fingerprint
 from .model import CipherModel
 from .monitor import MonitorCallback, device_peak_flops
-from .precision import detect_precision, convert_model, build_optimizer, optimizer_kind
-from . import checkpoint as ck
+from .precision import build_optimizer, convert_model, detect_precision, optimizer_kind
 
 # %% ../nbs/10_train.ipynb #94c8d7ae
 @torch.no_grad()
-def heldout_metrics(model:nn.Module, batches:list, byte_lengths:torch.Tensor, device=None, dtype=torch.float32, env:DistEnv=None) -> dict:
+def heldout_metrics(
+    model: nn.Module, batches: list, byte_lengths: torch.Tensor, device=None, dtype=torch.float32, env: DistEnv = None
+) -> dict:
     "`val/loss` (nats per target) and `val/bpb` over `batches`, specials excluded, summed over ranks."
     env, device = env or DistEnv(), device or next(model.parameters()).device
     lengths = torch.as_tensor(byte_lengths, device=device)
-    sums = torch.zeros(3, dtype=torch.float64, device=device)    # nats, targets, bytes
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, targets, bytes
     for b in batches:
         b = {k: v.to(device) for k, v in b.items()}
-        nb = lengths[b['labels'].clamp(min=0)] * (b['labels'] != -100)
-        labels = b['labels'].masked_fill(nb == 0, -100)
-        with autocast(device, dtype): out = model(**{**b, 'labels': labels})
+        nb = lengths[b["labels"].clamp(min=0)] * (b["labels"] != -100)
+        labels = b["labels"].masked_fill(nb == 0, -100)
+        with autocast(device, dtype):
+            out = model(**{**b, "labels": labels})
         n = (labels != -100).sum()
         sums += torch.stack([out.loss.double() * n, n.double(), nb.sum().double()])
     nats, n, nbytes = _sum_all(sums, env).tolist()
-    return {'val/loss': nats / max(n, 1), 'val/bpb': nats / max(nbytes, 1) / math.log(2)}
+    return {"val/loss": nats / max(n, 1), "val/bpb": nats / max(nbytes, 1) / math.log(2)}
 
 # %% ../nbs/10_train.ipynb #6928c445
 class CurriculumCallback(Callback):
     "Before each step, set the boundary predictor's mode the curriculum gives for it."
-    def __init__(self, cfg:Config): self.curriculum = Curriculum(cfg)
-    def before_step(self, trainer): trainer.bp_mode = self.curriculum.bp_mode(trainer.step)
 
-def codec_description(codec, cfg:Config) -> dict:
+    def __init__(self, cfg: Config):
+        self.curriculum = Curriculum(cfg)
+
+    def before_step(self, trainer):
+        trainer.bp_mode = self.curriculum.bp_mode(trainer.step)
+
+
+def codec_description(codec, cfg: Config) -> dict:
     "What an export records about the codec, so a reader can turn ids back into text."
-    return dict(kind=cfg.data.codec, vocab_size=int(codec.vocab_size), specials=dict(getattr(codec, 'specials', {})),
-                tokenizer=cfg.data.tokenizer or None)
+    return dict(
+        kind=cfg.data.codec,
+        vocab_size=int(codec.vocab_size),
+        specials=dict(getattr(codec, "specials", {})),
+        tokenizer=cfg.data.tokenizer or None,
+    )
 
 # %% ../nbs/10_train.ipynb #e0258f38
 class TensorBoardCallback(Callback):
     "Each log row as TensorBoard scalars under RUN/tensorboard."
-    def __init__(self, cfg:Config, run_dir):
-        from torch.utils.tensorboard import SummaryWriter   # needs the tensorboard package
-        self.writer = SummaryWriter(str(Path(run_dir) / 'tensorboard'))
-    def on_log(self, trainer, metrics:dict):
+
+    def __init__(self, cfg: Config, run_dir):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def on_log(self, trainer, metrics: dict):
         for k, v in metrics.items():
-            if k != 'step' and isinstance(v, (int, float)): self.writer.add_scalar(k, v, metrics['step'])
-    def on_end(self, trainer): self.writer.close()
+            if k != "step" and isinstance(v, (int, float)):
+                self.writer.add_scalar(k, v, metrics["step"])
+
+    def on_end(self, trainer):
+        self.writer.close()
+
 
 class WandbCallback(Callback):
     "Each log row to Weights & Biases, offline (no network at run time)."
-    def __init__(self, cfg:Config, run_dir):
-        import wandb
-        self.run = wandb.init(project='cipher_nb', name=Path(run_dir).name, dir=str(run_dir), mode='offline', config=cfg.to_dict())
-    def on_log(self, trainer, metrics:dict):
-        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics['step'])
-    def on_end(self, trainer): self.run.finish()
 
-def logger_callbacks(cfg:Config, run_dir, is_main:bool=True) -> list:
+    def __init__(self, cfg: Config, run_dir):
+        import wandb
+
+        self.run = wandb.init(
+            project="cipher_nb", name=Path(run_dir).name, dir=str(run_dir), mode="offline", config=cfg.to_dict()
+        )
+
+    def on_log(self, trainer, metrics: dict):
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
+
+    def on_end(self, trainer):
+        self.run.finish()
+
+
+def logger_callbacks(cfg: Config, run_dir, is_main: bool = True) -> list:
     "The optional loggers `training.tensorboard` / `training.wandb` ask for (rank 0 only)."
     out = []
-    for flag, cls, pkg in (('tensorboard', TensorBoardCallback, 'tensorboard'), ('wandb', WandbCallback, 'wandb')):
-        if not (is_main and getattr(cfg.training, flag)): continue
-        try: out.append(cls(cfg, run_dir))
-        except ImportError: warnings.warn(f"training.{flag} is on but {pkg} is not installed: pip install {pkg} "
-                                          "(metrics.jsonl is written either way)")
+    for flag, cls, pkg in (("tensorboard", TensorBoardCallback, "tensorboard"), ("wandb", WandbCallback, "wandb")):
+        if not (is_main and getattr(cfg.training, flag)):
+            continue
+        try:
+            out.append(cls(cfg, run_dir))
+        except ImportError:
+            warnings.warn(
+                f"training.{flag} is on but {pkg} is not installed: pip install {pkg} "
+                "(metrics.jsonl is written either way)"
+            )
     return out
 
 # %% ../nbs/10_train.ipynb #094ef0c8
 class CheckpointCallback(Callback):
     "The run's checkpoints (step, emergency, best, final), its export and its record."
-    def __init__(self, cfg:Config, run_dir, loader, record, fingerprint:str, codec:dict, export_model=lambda m: m):
+
+    def __init__(self, cfg: Config, run_dir, loader, record, fingerprint: str, codec: dict, export_model=lambda m: m):
         self.cfg, self.run_dir, self.loader, self.record = cfg, Path(run_dir), loader, record
         self.fingerprint, self.codec, self.export_model = fingerprint, codec, export_model
         self.ckpt = ck.Checkpointer.from_config(cfg, run_dir)
 
     def _state(self, trainer):
-        state = ck.training_state(trainer.raw_model, trainer.optimizer, step=trainer.step, tokens=trainer.tokens,
-                                  data_state=self.loader.state_dict(), trainer=trainer.state_dict())
-        meta = ck.checkpoint_meta(self.cfg, step=trainer.step, tokens=trainer.tokens, data_fingerprint=self.fingerprint,
-                                  world_size=trainer.env.world_size, optimizer=optimizer_kind(trainer.optimizer))
+        state = ck.training_state(
+            trainer.raw_model,
+            trainer.optimizer,
+            step=trainer.step,
+            tokens=trainer.tokens,
+            data_state=self.loader.state_dict(),
+            trainer=trainer.state_dict(),
+        )
+        meta = ck.checkpoint_meta(
+            self.cfg,
+            step=trainer.step,
+            tokens=trainer.tokens,
+            data_fingerprint=self.fingerprint,
+            world_size=trainer.env.world_size,
+            optimizer=optimizer_kind(trainer.optimizer),
+        )
         return state, meta
 
-    def __call__(self, trainer, tag:str):
+    def __call__(self, trainer, tag: str):
         state, meta = self._state(trainer)
-        path = self.ckpt.save(trainer.step, state, {**meta, 'tag': tag})
-        if tag == 'final':
+        path = self.ckpt.save(trainer.step, state, {**meta, "tag": tag})
+        if tag == "final":
             self.ckpt.wait()
-            hashes = ck.export_model(self.export_model(trainer.raw_model), self.run_dir / 'final', config=self.cfg.to_dict(), codec=self.codec, meta=meta)
+            hashes = ck.export_model(
+                self.export_model(trainer.raw_model),
+                self.run_dir / "final",
+                config=self.cfg.to_dict(),
+                codec=self.codec,
+                meta=meta,
+            )
             if trainer.is_main:
                 self.record.export = hashes
-                self.record.selection_rule = 'final/ is the last step; best/ has the lowest val/loss'
-                self.record.save(self.run_dir / 'record.json')
+                self.record.selection_rule = "final/ is the last step; best/ has the lowest val/loss"
+                self.record.save(self.run_dir / "record.json")
         return path
 
-    def on_eval(self, trainer, metrics:dict):
+    def on_eval(self, trainer, metrics: dict):
         if trainer.is_main:
             self.record.add_eval(trainer.step, metrics, trainer.tokens)
-            self.record.save(self.run_dir / 'record.json')
-        v = metrics.get('val/loss')
+            self.record.save(self.run_dir / "record.json")
+        v = metrics.get("val/loss")
         if v is not None and (self.ckpt.best is None or v < self.ckpt.best):
             state, meta = self._state(trainer)
             self.ckpt.save_best(state, meta, v)
 
-    def on_end(self, trainer): self.ckpt.close()
+    def on_end(self, trainer):
+        self.ckpt.close()
 
 # %% ../nbs/10_train.ipynb #b496e1fb
 class StageHooks:
     "What a stage changes in a run; the default (pretrain, refinement) changes nothing."
-    def config(self, cfg:Config) -> Config: return cfg
-    def data(self, cfg:Config, rank:int, world_size:int) -> tuple:
-        "The training loader and the held-out batches."
-        heldout = cdata.build_loader(cfg, 'heldout', rank, world_size)
-        return build_loader(cfg, 'train', rank, world_size), list(islice(iter(heldout), cfg.training.eval_batches))
-    def model(self, model:nn.Module, cfg:Config) -> nn.Module: return model
-    def check_resume(self, meta:dict, cfg:Config):
-        "Refuse a resume this stage cannot continue (before the generic config check)."
-    def export_model(self, model:nn.Module) -> nn.Module: return model
-    def callbacks(self, cfg:Config, run_dir) -> list: return []
 
-def stage_hooks(stage:str) -> StageHooks:
+    def config(self, cfg: Config) -> Config:
+        return cfg
+
+    def data(self, cfg: Config, rank: int, world_size: int) -> tuple:
+        "The training loader and the held-out batches."
+        heldout = cdata.build_loader(cfg, "heldout", rank, world_size)
+        return build_loader(cfg, "train", rank, world_size), list(islice(iter(heldout), cfg.training.eval_batches))
+
+    def model(self, model: nn.Module, cfg: Config) -> nn.Module:
+        return model
+
+    def check_resume(self, meta: dict, cfg: Config):
+        "Refuse a resume this stage cannot continue (before the generic config check)."
+
+    def export_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def callbacks(self, cfg: Config, run_dir) -> list:
+        return []
+
+
+def stage_hooks(stage: str) -> StageHooks:
     "The hooks of `stage`: SFT's live in `cipher_nb.sft` (looked up by name: the composition root is the only place that knows every stage)."
-    if stage == 'sft':
+    if stage == "sft":
         import importlib
-        return importlib.import_module('cipher_nb.sft').SFTHooks()
+
+        return importlib.import_module("cipher_nb.sft").SFTHooks()
     return StageHooks()
 
 # %% ../nbs/10_train.ipynb #e587072c
-def init_distributed(env:DistEnv, device:torch.device):
+def init_distributed(env: DistEnv, device: torch.device):
     "Join the process group `torchrun` set up (no-op for a single process)."
-    if not env.distributed or dist.is_initialized(): return
-    if device.type == 'cuda': torch.cuda.set_device(device)
+    if not env.distributed or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(dist_backend(device))
 
-def wrap_model(model:nn.Module, cfg:Config, env:DistEnv, device:torch.device) -> nn.Module:
+
+def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device) -> nn.Module:
     "DDP or FSDP2 (per block, then the root) when distributed; the model itself otherwise."
-    if not env.distributed: return model
-    if cfg.training.parallel == 'fsdp':
+    if not env.distributed:
+        return model
+    if cfg.training.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
-        for name in ('byte_in', 'layers', 'byte_out'):
-            for blk in getattr(model, name, []): fully_shard(blk)
+
+        for name in ("byte_in", "layers", "byte_out"):
+            for blk in getattr(model, name, []):
+                fully_shard(blk)
         return fully_shard(model)
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, device_ids=[device.index] if device.type == 'cuda' else None)
+
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 # %% ../nbs/10_train.ipynb #81aa94a3
-def _truncate_metrics(path:Path, step:int):
+def _truncate_metrics(path: Path, step: int):
     "Drop log rows after `step` (written by a run that died after its last checkpoint)."
-    if not path.exists(): return
-    rows = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get('step', 0) <= step]
-    path.write_text(''.join(r + '\n' for r in rows))
+    if not path.exists():
+        return
+    rows = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+    path.write_text("".join(r + "\n" for r in rows))
 
-def _resume_path(resume:str, run_dir:Path):
-    if resume != 'auto': return Path(resume)
+
+def _resume_path(resume: str, run_dir: Path):
+    if resume != "auto":
+        return Path(resume)
     return ck.latest_checkpoint(run_dir)
 
-def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:bool=True, hooks:StageHooks=None) -> Trainer:
+
+def build_trainer(
+    cfg: Config, run_dir, resume: str = None, callbacks=(), progress: bool = True, hooks: StageHooks = None
+) -> Trainer:
     "Everything a run needs, from its config: data, model, precision, optimizer, checkpoints, monitor, evaluation."
     env, run_dir = dist_env(), Path(run_dir)
     hooks = hooks or stage_hooks(cfg.stage.name)
@@ -457,108 +671,165 @@ def build_trainer(cfg:Config, run_dir, resume:str=None, callbacks=(), progress:b
     fingerprint = data_fingerprint(cfg)
     source = _resume_path(resume, run_dir) if resume else None
     if source is not None:
-        hooks.check_resume(ck.read_meta(source), cfg)   # a stage's own, clearer refusals first
+        hooks.check_resume(ck.read_meta(source), cfg)  # a stage's own, clearer refusals first
         ck.check_resume(ck.read_meta(source), cfg, env.world_size)
-    if cfg.stage.init: ck.check_init_source(cfg.stage.init, cfg, fingerprint)
-    elif cfg.stage.name != 'pretrain' and source is None:
+    if cfg.stage.init:
+        ck.check_init_source(cfg.stage.init, cfg, fingerprint)
+    elif cfg.stage.name != "pretrain" and source is None:
         raise ConfigError(f"stage.name = '{cfg.stage.name}' starts from the previous stage's weights: give --init PATH")
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / 'config.yaml')
-    seed_everything(cfg.training.seed)   # the same initial weights on every rank
+        save_config(cfg, run_dir / "config.yaml")
+    seed_everything(cfg.training.seed)  # the same initial weights on every rank
     codec = build_codec(cfg.data)
     model = CipherModel(cfg.model).to(device)
-    if cfg.stage.init: ck.load_weights(cfg.stage.init, model)
+    if cfg.stage.init:
+        ck.load_weights(cfg.stage.init, model)
     model = hooks.model(model, cfg)
     choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
-    report = convert_model(model, choice) if choice.mode in ('fp8', 'mxfp8', 'nvfp4') else {}
+    report = convert_model(model, choice) if choice.mode in ("fp8", "mxfp8", "nvfp4") else {}
     wrapped = wrap_model(model, cfg, env, device)
     optimizer = build_optimizer(wrapped, cfg)
     loader, heldout = hooks.data(cfg, env.rank, env.world_size)
-    record = ck.run_record(cfg, world_size=env.world_size, data_fingerprint=fingerprint, codec=codec_description(codec, cfg),
-                           source=source or (cfg.stage.init or None), run_name=run_dir.name)
+    record = ck.run_record(
+        cfg,
+        world_size=env.world_size,
+        data_fingerprint=fingerprint,
+        codec=codec_description(codec, cfg),
+        source=source or (cfg.stage.init or None),
+        run_name=run_dir.name,
+    )
     record.precision, record.kernels = choice.to_record(), dict(report)
-    ckpt = CheckpointCallback(cfg, run_dir, loader, record, fingerprint, codec_description(codec, cfg), hooks.export_model)
+    ckpt = CheckpointCallback(
+        cfg, run_dir, loader, record, fingerprint, codec_description(codec, cfg), hooks.export_model
+    )
     lengths = torch.as_tensor(codec.byte_lengths)
-    trainer = Trainer(cfg, wrapped, optimizer, loader, run_dir=run_dir, device=device, env=env,
-                      eval_fn=lambda tr: heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype, tr.env),
-                      callbacks=[CurriculumCallback(cfg), MonitorCallback(cfg), ckpt, *hooks.callbacks(cfg, run_dir),
-                                 *logger_callbacks(cfg, run_dir, env.is_main), *callbacks],
-                      checkpoint_fn=ckpt,
-                      flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len), peak_flops=device_peak_flops(device))
+    trainer = Trainer(
+        cfg,
+        wrapped,
+        optimizer,
+        loader,
+        run_dir=run_dir,
+        device=device,
+        env=env,
+        eval_fn=lambda tr: heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype, tr.env),
+        callbacks=[
+            CurriculumCallback(cfg),
+            MonitorCallback(cfg),
+            ckpt,
+            *hooks.callbacks(cfg, run_dir),
+            *logger_callbacks(cfg, run_dir, env.is_main),
+            *callbacks,
+        ],
+        checkpoint_fn=ckpt,
+        flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len),
+        peak_flops=device_peak_flops(device),
+    )
     trainer.dtype = choice.dtype
     trainer.scaler = torch.amp.GradScaler(device.type) if choice.scaler else None
     trainer.record, trainer.heldout = record, heldout
-    if source is not None: _restore(trainer, source)
-    elif resume == 'auto' and env.is_main: print(f"no complete checkpoint in {run_dir}: starting from step 0", file=sys.stderr)
+    if source is not None:
+        _restore(trainer, source)
+    elif resume == "auto" and env.is_main:
+        print(f"no complete checkpoint in {run_dir}: starting from step 0", file=sys.stderr)
     return trainer
 
 # %% ../nbs/10_train.ipynb #6bdf32d9
-def _restore(trainer:Trainer, path:Path):
+def _restore(trainer: Trainer, path: Path):
     "Exact resume: weights, optimizer (unless its kind changed), data position, RNG, counters."
     meta = ck.read_meta(path)
-    same_kind = meta.get('optimizer', optimizer_kind(trainer.optimizer)) == optimizer_kind(trainer.optimizer)
+    same_kind = meta.get("optimizer", optimizer_kind(trainer.optimizer)) == optimizer_kind(trainer.optimizer)
     if not same_kind:
-        warnings.warn(f"{path} was trained with optimizer '{meta.get('optimizer')}', this run uses "
-                      f"'{optimizer_kind(trainer.optimizer)}': its optimizer state is reinitialised (weights, data position and step are kept)")
+        warnings.warn(
+            f"{path} was trained with optimizer '{meta.get('optimizer')}', this run uses "
+            f"'{optimizer_kind(trainer.optimizer)}': its optimizer state is reinitialised (weights, data position and step are kept)"
+        )
     res = ck.restore_training_state(path, trainer.raw_model, trainer.optimizer if same_kind else None)
-    state = ck.load_checkpoint(path, keys=('trainer',))
-    trainer.load_state_dict(state['trainer'])
-    trainer.loader.load_state_dict(res['data'])
+    state = ck.load_checkpoint(path, keys=("trainer",))
+    trainer.load_state_dict(state["trainer"])
+    trainer.loader.load_state_dict(res["data"])
     if trainer.is_main:
-        _truncate_metrics(trainer.run_dir / 'metrics.jsonl', trainer.step)
+        _truncate_metrics(trainer.run_dir / "metrics.jsonl", trainer.step)
         print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
 
 # %% ../nbs/10_train.ipynb #48ef3a98
-def resolve_run(config:str=None, overrides=(), out:str=None, max_steps:int=None, resume:str=None, init:str=None,
-                stage:str=None, precision:str=None, device:str=None, mock_data:bool=False):
+def resolve_run(
+    config: str = None,
+    overrides=(),
+    out: str = None,
+    max_steps: int = None,
+    resume: str = None,
+    init: str = None,
+    stage: str = None,
+    precision: str = None,
+    device: str = None,
+    mock_data: bool = False,
+):
     "The config and run directory a `cipher-train` command line asks for."
-    flags = [f'training.max_steps={max_steps}' if max_steps is not None else None,
-             f'stage.init={init}' if init else None, f'stage.name={stage}' if stage else None,
-             f'training.precision={precision}' if precision else None, f'training.device={device}' if device else None,
-             'data.source=mock' if mock_data else None]
+    flags = [
+        f"training.max_steps={max_steps}" if max_steps is not None else None,
+        f"stage.init={init}" if init else None,
+        f"stage.name={stage}" if stage else None,
+        f"training.precision={precision}" if precision else None,
+        f"training.device={device}" if device else None,
+        "data.source=mock" if mock_data else None,
+    ]
     overrides = [*overrides, *[f for f in flags if f]]
-    if config is None and resume and out and (Path(out) / 'config.yaml').exists(): config = str(Path(out) / 'config.yaml')
+    if config is None and resume and out and (Path(out) / "config.yaml").exists():
+        config = str(Path(out) / "config.yaml")
     cfg = load_config(config, overrides)
-    if resume == 'auto' and not out: raise ConfigError("--resume auto continues a run directory: give it with --out RUN_DIR")
+    if resume == "auto" and not out:
+        raise ConfigError("--resume auto continues a run directory: give it with --out RUN_DIR")
     name = cfg.training.run_name or f"{Path(config).stem if config else 'tiny-cpu'}-{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, Path(out) if out else Path(cfg.training.out_dir) / name
 
 # %% ../nbs/10_train.ipynb #0a05440c
-from fastcore.script import call_parse, CliError
+from fastcore.script import CliError, call_parse
 
-def _summary(trainer:Trainer) -> str:
-    ev = trainer.record.evals[-1]['metrics'] if getattr(trainer, 'record', None) and trainer.record.evals else {}
-    bpb = f", held-out {ev['val/bpb']:.3f} bits per byte" if 'val/bpb' in ev else ''
+
+def _summary(trainer: Trainer) -> str:
+    ev = trainer.record.evals[-1]["metrics"] if getattr(trainer, "record", None) and trainer.record.evals else {}
+    bpb = f", held-out {ev['val/bpb']:.3f} bits per byte" if "val/bpb" in ev else ""
     d = trainer.run_dir
-    return (f"run {'stopped' if trainer.stopped else 'finished'} at step {trainer.step}{bpb}\n"
-            f"run directory: {d}\n  metrics: {d / 'metrics.jsonl'}\n  checkpoints: {d / 'checkpoints'}\n"
-            + (f"  resume with: cipher-train --out {d} --resume auto\n" if trainer.stopped else f"  export: {d / 'final'}\n")
-            + f"  check it: cipher-gate {d}   plot it: cipher-plot {d}")
+    return (
+        f"run {'stopped' if trainer.stopped else 'finished'} at step {trainer.step}{bpb}\n"
+        f"run directory: {d}\n  metrics: {d / 'metrics.jsonl'}\n  checkpoints: {d / 'checkpoints'}\n"
+        + (
+            f"  resume with: cipher-train --out {d} --resume auto\n"
+            if trainer.stopped
+            else f"  export: {d / 'final'}\n"
+        )
+        + f"  check it: cipher-gate {d}   plot it: cipher-plot {d}"
+    )
 
-@call_parse(pos=['config'])
+
+@call_parse(pos=["config"])
 def cipher_train(
-    config:str=None,        # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in tiny-cpu config)
-    *overrides:str,         # section.key=value overrides, e.g. training.lr=3e-4
-    out:str=None,           # the run directory (default: training.out_dir/<preset>-<time>)
-    max_steps:int=None,     # shorthand for training.max_steps
-    resume:str=None,        # 'auto' (the newest complete checkpoint of --out) or a checkpoint path: exact continuation
-    init:str=None,          # start from these weights only (fresh optimizer, schedule and step count)
-    stage:str=None,         # pretrain | refinement | sft
-    precision:str=None,     # auto | bf16 | fp16 | fp32 | fp8 | mxfp8 | nvfp4
-    device:str=None,        # auto | cpu | cuda
-    mock_data:bool=False,   # train on the small multi-script mock corpus
-    quiet:bool=False,       # no progress bar
+    config: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in tiny-cpu config)
+    *overrides: str,  # section.key=value overrides, e.g. training.lr=3e-4
+    out: str = None,  # the run directory (default: training.out_dir/<preset>-<time>)
+    max_steps: int = None,  # shorthand for training.max_steps
+    resume: str = None,  # 'auto' (the newest complete checkpoint of --out) or a checkpoint path: exact continuation
+    init: str = None,  # start from these weights only (fresh optimizer, schedule and step count)
+    stage: str = None,  # pretrain | refinement | sft
+    precision: str = None,  # auto | bf16 | fp16 | fp32 | fp8 | mxfp8 | nvfp4
+    device: str = None,  # auto | cpu | cuda
+    mock_data: bool = False,  # train on the small multi-script mock corpus
+    quiet: bool = False,  # no progress bar
 ):
     "Train a cipher_nb model from a preset; the same command runs on a CPU or under torchrun on GPUs."
-    if config and '=' in config and not config.endswith(('.yaml', '.yml')): config, overrides = None, (config, *overrides)
+    if config and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, (config, *overrides)
     try:
         cfg, run_dir = resolve_run(config, overrides, out, max_steps, resume, init, stage, precision, device, mock_data)
         trainer = build_trainer(cfg, run_dir, resume=resume, progress=not quiet)
-        if trainer.is_main: print(f"training {cfg.training.max_steps} steps, run directory: {run_dir}", file=sys.stderr)
+        if trainer.is_main:
+            print(f"training {cfg.training.max_steps} steps, run directory: {run_dir}", file=sys.stderr)
         trainer.fit(progress=not quiet)
     except (ConfigError, ck.CheckpointError, cdata.DataError, NonFiniteError, FileNotFoundError) as e:
         raise CliError(f"cipher-train: {e}")
     finally:
-        if dist.is_initialized(): dist.destroy_process_group()
-    if trainer.is_main: print(_summary(trainer), file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if trainer.is_main:
+        print(_summary(trainer), file=sys.stderr)

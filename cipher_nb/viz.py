@@ -15,200 +15,271 @@ __all__ = ['load_run', 'metric', 'moe_layers', 'expert_load_matrix', 'plot_loss'
            'ablation_table', 'plot_ablation']
 
 # %% ../nbs/13_viz.ipynb #343694a1
-import fcntl, html, itertools, json, math, re, shlex, shutil, subprocess, sys, textwrap, time, warnings
+import fcntl
+import html
+import itertools
+import json
+import math
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import matplotlib
 import numpy as np
 import torch
-from matplotlib.figure import Figure
+from fastcore.script import CliError, call_parse
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from fastcore.script import call_parse, CliError
 
-from .config import Config, ConfigError, load_config, config_from_dict, config_hash
-from .data import ByteCodec
+from . import checkpoint as ck
+from .config import Config, ConfigError, config_from_dict, config_hash, load_config
 from .curriculum import Curriculum
+from .data import ByteCodec
 from .model import CipherModel
 from .monitor import read_metrics
-from . import checkpoint as ck
-from .train import lr_at, build_trainer, resolve_run
+from .train import build_trainer, lr_at, resolve_run
 
 # %% ../nbs/13_viz.ipynb #6035c4b6
 def load_run(run_dir) -> tuple:
     "The metric rows and the config of a run directory (the config defaults when it has no config.yaml)."
     run = Path(run_dir)
-    if not run.is_dir(): raise FileNotFoundError(f"run directory '{run}' does not exist: give the folder that cipher-train wrote")
-    rows = read_metrics(run / 'metrics.jsonl')
-    cfg_path = run / 'config.yaml'
-    if not cfg_path.is_file(): return rows, Config()
-    try: return rows, load_config(cfg_path)
-    except ConfigError as e:   # a run written by another version: its pictures still matter more than its thresholds
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory '{run}' does not exist: give the folder that cipher-train wrote")
+    rows = read_metrics(run / "metrics.jsonl")
+    cfg_path = run / "config.yaml"
+    if not cfg_path.is_file():
+        return rows, Config()
+    try:
+        return rows, load_config(cfg_path)
+    except ConfigError as e:  # a run written by another version: its pictures still matter more than its thresholds
         warnings.warn(f"{cfg_path} cannot be read by this version ({e}): plotting with the default thresholds")
         return rows, Config()
 
 # %% ../nbs/13_viz.ipynb #fa913e26
-def _is_num(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-def metric(rows:list, key:str) -> tuple:
+
+def metric(rows: list, key: str) -> tuple:
     "(steps, values) as float arrays over the rows that hold a number under `key`."
-    pts = [(r['step'], float(r[key])) for r in rows if _is_num(r.get(key)) and _is_num(r.get('step'))]
+    pts = [(r["step"], float(r[key])) for r in rows if _is_num(r.get(key)) and _is_num(r.get("step"))]
     return np.array([s for s, _ in pts], dtype=float), np.array([v for _, v in pts], dtype=float)
 
 # %% ../nbs/13_viz.ipynb #4a6f1ff3
-_LOAD_KEY = re.compile(r'router/layer(\d+)_load_(\d+)')
-_ROUTER_KEY = re.compile(r'router/layer(\d+)_(?:max_load|entropy|load_\d+)')
+_LOAD_KEY = re.compile(r"router/layer(\d+)_load_(\d+)")
+_ROUTER_KEY = re.compile(r"router/layer(\d+)_(?:max_load|entropy|load_\d+)")
 
-def moe_layers(rows:list) -> list:
+
+def moe_layers(rows: list) -> list:
     "The layer numbers N for which the rows hold routing metrics."
     return sorted({int(m.group(1)) for r in rows for k in r if (m := _ROUTER_KEY.fullmatch(k))})
 
-def expert_load_matrix(rows:list, layer:int) -> tuple:
+
+def expert_load_matrix(rows: list, layer: int) -> tuple:
     "(steps [S], loads [E, S]) of one layer from `router/layer{layer}_load_{e}`; empty when the rows have none."
-    n = 1 + max((int(m.group(2)) for r in rows for k in r if (m := _LOAD_KEY.fullmatch(k)) and int(m.group(1)) == layer), default=-1)
-    keep = [r for r in rows if _is_num(r.get(f'router/layer{layer}_load_0'))]
-    loads = np.array([[r.get(f'router/layer{layer}_load_{e}', np.nan) for r in keep] for e in range(n)], dtype=float).reshape(n, len(keep))
-    return np.array([r['step'] for r in keep], dtype=float), loads
+    n = 1 + max(
+        (int(m.group(2)) for r in rows for k in r if (m := _LOAD_KEY.fullmatch(k)) and int(m.group(1)) == layer),
+        default=-1,
+    )
+    keep = [r for r in rows if _is_num(r.get(f"router/layer{layer}_load_0"))]
+    loads = np.array(
+        [[r.get(f"router/layer{layer}_load_{e}", np.nan) for r in keep] for e in range(n)], dtype=float
+    ).reshape(n, len(keep))
+    return np.array([r["step"] for r in keep], dtype=float), loads
 
 # %% ../nbs/13_viz.ipynb #887ab44c
-def _note(ax, text:str):
+def _note(ax, text: str):
     "A panel that explains why it has nothing to show."
-    ax.text(0.5, 0.5, text, ha='center', va='center', transform=ax.transAxes, fontsize=9, color='0.35', wrap=True)
-    ax.set_xticks([]); ax.set_yticks([])
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.35", wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
 
-def _hline(ax, y:float, label:str, color='0.4'):
-    ax.axhline(y, color=color, ls=':', lw=1, label=label)
 
-def plot_loss(rows:list, ax, cfg:Config=None):
+def _hline(ax, y: float, label: str, color="0.4"):
+    ax.axhline(y, color=color, ls=":", lw=1, label=label)
+
+
+def plot_loss(rows: list, ax, cfg: Config = None):
     "Training loss (the LM part when logged) and held-out loss against the step."
-    key = 'loss/lm' if len(metric(rows, 'loss/lm')[0]) else 'loss'
+    key = "loss/lm" if len(metric(rows, "loss/lm")[0]) else "loss"
     s, v = metric(rows, key)
-    if len(s): ax.plot(s, v, label='train' + (' (LM)' if key == 'loss/lm' else ''))
-    s, v = metric(rows, 'val/loss')
-    if len(s): ax.plot(s, v, 'o-', ms=3, label='held-out')
-    ax.set(title='loss', xlabel='step', ylabel='nats per target')
-    if ax.lines: ax.legend(fontsize=8)
-    else: _note(ax, 'no loss logged yet')
+    if len(s):
+        ax.plot(s, v, label="train" + (" (LM)" if key == "loss/lm" else ""))
+    s, v = metric(rows, "val/loss")
+    if len(s):
+        ax.plot(s, v, "o-", ms=3, label="held-out")
+    ax.set(title="loss", xlabel="step", ylabel="nats per target")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:
+        _note(ax, "no loss logged yet")
 
-def plot_lr(rows:list, ax, cfg:Config=None):
+
+def plot_lr(rows: list, ax, cfg: Config = None):
     "The logged learning rate on top of the planned schedule (`lr_at`)."
     if cfg is not None:
         t = cfg.training
-        ax.plot(np.arange(1, t.max_steps + 1), [lr_at(k, t) for k in range(t.max_steps)], color='0.75', lw=2, label='schedule')
-    s, v = metric(rows, 'lr')   # a row at step S logs the rate of its last step, S - 1
-    if len(s): ax.plot(s, v, '.', ms=4, label='logged')
-    ax.set(title='learning rate', xlabel='step')
-    if ax.lines: ax.legend(fontsize=8)
-    else: _note(ax, 'no lr logged yet')
+        ax.plot(
+            np.arange(1, t.max_steps + 1),
+            [lr_at(k, t) for k in range(t.max_steps)],
+            color="0.75",
+            lw=2,
+            label="schedule",
+        )
+    s, v = metric(rows, "lr")  # a row at step S logs the rate of its last step, S - 1
+    if len(s):
+        ax.plot(s, v, ".", ms=4, label="logged")
+    ax.set(title="learning rate", xlabel="step")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:
+        _note(ax, "no lr logged yet")
 
-def plot_grad_norm(rows:list, ax, cfg:Config=None):
+
+def plot_grad_norm(rows: list, ax, cfg: Config = None):
     "The gradient norm before clipping, per-group norms, the clip and the gate's limit (log scale)."
-    ax.set(title='gradient norm', xlabel='step')
-    s, v = metric(rows, 'grad_norm')
-    if not len(s): return _note(ax, 'no grad_norm logged yet')
-    ax.plot(s, v, label='global')
-    for k in sorted({k for r in rows for k in r if k.startswith('grad_norm/')}):
+    ax.set(title="gradient norm", xlabel="step")
+    s, v = metric(rows, "grad_norm")
+    if not len(s):
+        return _note(ax, "no grad_norm logged yet")
+    ax.plot(s, v, label="global")
+    for k in sorted({k for r in rows for k in r if k.startswith("grad_norm/")}):
         gs, gv = metric(rows, k)
-        ax.plot(gs, gv, '--', lw=1, label=k.split('/', 1)[1])
+        ax.plot(gs, gv, "--", lw=1, label=k.split("/", 1)[1])
     if cfg is not None:
-        _hline(ax, cfg.training.grad_clip, f'clip {cfg.training.grad_clip:g}')
-        _hline(ax, cfg.monitor.max_grad_norm, f'gate {cfg.monitor.max_grad_norm:g}', 'tab:red')
-    ax.set_yscale('log')
+        _hline(ax, cfg.training.grad_clip, f"clip {cfg.training.grad_clip:g}")
+        _hline(ax, cfg.monitor.max_grad_norm, f"gate {cfg.monitor.max_grad_norm:g}", "tab:red")
+    ax.set_yscale("log")
     ax.legend(fontsize=8)
 
-def plot_throughput(rows:list, ax, cfg:Config=None):
+
+def plot_throughput(rows: list, ax, cfg: Config = None):
     "Tokens per second, and MFU on a second axis when the run logged it (GPUs only)."
-    s, v = metric(rows, 'tok_per_s')
-    ax.set(title='throughput', xlabel='step', ylabel='tokens / s')
-    if not len(s): return _note(ax, 'no tok_per_s logged yet')
+    s, v = metric(rows, "tok_per_s")
+    ax.set(title="throughput", xlabel="step", ylabel="tokens / s")
+    if not len(s):
+        return _note(ax, "no tok_per_s logged yet")
     ax.plot(s, v)
-    ms, mv = metric(rows, 'mfu')
+    ms, mv = metric(rows, "mfu")
     if len(ms):
         tw = ax.twinx()
-        tw.plot(ms, 100 * mv, color='tab:orange', lw=1)
-        tw.set_ylabel('MFU %', color='tab:orange')
+        tw.plot(ms, 100 * mv, color="tab:orange", lw=1)
+        tw.set_ylabel("MFU %", color="tab:orange")
 
 # %% ../nbs/13_viz.ipynb #8dce8d34
-def load_norm(loads, cfg:Config=None) -> TwoSlopeNorm:
+def load_norm(loads, cfg: Config = None) -> TwoSlopeNorm:
     "A colour scale centred on an even share (1), from 0 to the larger of the gate's limit and the highest load."
     top = float(np.nanmax(loads)) if np.size(loads) and np.isfinite(loads).any() else 0.0
     return TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(top, (cfg or Config()).monitor.max_load_ratio, 1.0 + 1e-6))
 
-def plot_expert_load(rows:list, ax, layer:int, cfg:Config=None, norm=None):
+
+def plot_expert_load(rows: list, ax, layer: int, cfg: Config = None, norm=None):
     "Heatmap of one MoE layer's per-expert load (experts x steps); returns the image, or None without data."
-    ax.set_title(f'expert load, layer {layer}')
+    ax.set_title(f"expert load, layer {layer}")
     steps, loads = expert_load_matrix(rows, layer)
     if not loads.size:
-        return _note(ax, f'no router/layer{layer}_load_E logged\n(runs from before per-expert loads: see the gate instead)')
+        return _note(
+            ax, f"no router/layer{layer}_load_E logged\n(runs from before per-expert loads: see the gate instead)"
+        )
     half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5
-    im = ax.imshow(loads, aspect='auto', origin='lower', interpolation='nearest', cmap='RdBu_r', norm=norm or load_norm(loads, cfg),
-                   extent=(steps[0] - half, steps[-1] + half, -0.5, loads.shape[0] - 0.5))
-    ax.set(xlabel='step', ylabel='expert')
+    im = ax.imshow(
+        loads,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        cmap="RdBu_r",
+        norm=norm or load_norm(loads, cfg),
+        extent=(steps[0] - half, steps[-1] + half, -0.5, loads.shape[0] - 0.5),
+    )
+    ax.set(xlabel="step", ylabel="expert")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     return im
 
 # %% ../nbs/13_viz.ipynb #f634ffb6
-def plot_router_entropy(rows:list, ax, cfg:Config=None):
+def plot_router_entropy(rows: list, ax, cfg: Config = None):
     "Mean routing entropy per token for each MoE layer, against ln E (a router that has not learned anything)."
     for i in moe_layers(rows):
-        s, v = metric(rows, f'router/layer{i}_entropy')
-        if len(s): ax.plot(s, v, label=f'layer {i}')
-    ax.set(title='routing entropy', xlabel='step', ylabel='nats')
-    if not ax.lines: return _note(ax, 'no router/layerN_entropy logged (no MoE layer)')
-    if cfg is not None and cfg.model.n_routed: _hline(ax, math.log(cfg.model.n_routed), f'ln {cfg.model.n_routed} (uniform)')
+        s, v = metric(rows, f"router/layer{i}_entropy")
+        if len(s):
+            ax.plot(s, v, label=f"layer {i}")
+    ax.set(title="routing entropy", xlabel="step", ylabel="nats")
+    if not ax.lines:
+        return _note(ax, "no router/layerN_entropy logged (no MoE layer)")
+    if cfg is not None and cfg.model.n_routed:
+        _hline(ax, math.log(cfg.model.n_routed), f"ln {cfg.model.n_routed} (uniform)")
     ax.legend(fontsize=7, ncol=2)
 
-def plot_overlap(rows:list, ax, cfg:Config=None):
+
+def plot_overlap(rows: list, ax, cfg: Config = None):
     "Cross-population overlap (two expert populations) against the gate's limit."
-    ax.set(title='cross-population overlap', xlabel='step')
-    s, v = metric(rows, 'router/cross_pop_overlap')
+    ax.set(title="cross-population overlap", xlabel="step")
+    s, v = metric(rows, "router/cross_pop_overlap")
     if not len(s):
         off = cfg is not None and cfg.model.n_pop_a == 0
-        return _note(ax, 'populations off (model.n_pop_a = 0)' if off else 'no router/cross_pop_overlap logged')
+        return _note(ax, "populations off (model.n_pop_a = 0)" if off else "no router/cross_pop_overlap logged")
     ax.plot(s, v)
-    if cfg is not None: _hline(ax, cfg.monitor.max_overlap, f'gate {cfg.monitor.max_overlap:g}', 'tab:red')
+    if cfg is not None:
+        _hline(ax, cfg.monitor.max_overlap, f"gate {cfg.monitor.max_overlap:g}", "tab:red")
     ax.legend(fontsize=8)
 
-def loop_count(rows:list) -> int:
-    "How many loops the rows' `loop/norm_K` series cover (0 without a recurrent core)."
-    return max((int(k.rsplit('_', 1)[1]) for r in rows for k in r if re.fullmatch(r'loop/norm_\d+', k)), default=0)
 
-def plot_loop_series(rows:list, ax, name:str='norm', cfg:Config=None):
+def loop_count(rows: list) -> int:
+    "How many loops the rows' `loop/norm_K` series cover (0 without a recurrent core)."
+    return max((int(k.rsplit("_", 1)[1]) for r in rows for k in r if re.fullmatch(r"loop/norm_\d+", k)), default=0)
+
+
+def plot_loop_series(rows: list, ax, name: str = "norm", cfg: Config = None):
     "One line per loop K of `loop/{name}_K` (norm: the hidden-state norm; token_corr: token similarity)."
-    title = {'norm': 'per-loop hidden norm', 'token_corr': 'per-loop token similarity'}.get(name, f'per-loop {name}')
-    ax.set(title=title, xlabel='step')
+    title = {"norm": "per-loop hidden norm", "token_corr": "per-loop token similarity"}.get(name, f"per-loop {name}")
+    ax.set(title=title, xlabel="step")
     n = loop_count(rows)
-    if not n: return _note(ax, 'no recurrent core (model.n_core = 0)')
-    cmap = matplotlib.colormaps['viridis']
+    if not n:
+        return _note(ax, "no recurrent core (model.n_core = 0)")
+    cmap = matplotlib.colormaps["viridis"]
     for k in range(1, n + 1):
-        s, v = metric(rows, f'loop/{name}_{k}')
-        if len(s): ax.plot(s, v, color=cmap(k / max(n, 1)), label=f'loop {k}')
-    if cfg is not None and name == 'token_corr': _hline(ax, cfg.monitor.max_token_corr, f'collapse {cfg.monitor.max_token_corr:g}', 'tab:red')
+        s, v = metric(rows, f"loop/{name}_{k}")
+        if len(s):
+            ax.plot(s, v, color=cmap(k / max(n, 1)), label=f"loop {k}")
+    if cfg is not None and name == "token_corr":
+        _hline(ax, cfg.monitor.max_token_corr, f"collapse {cfg.monitor.max_token_corr:g}", "tab:red")
     ax.legend(fontsize=7, ncol=2)
 
 # %% ../nbs/13_viz.ipynb #bce6db1d
-def panel_titles(fig:Figure) -> list:
+def panel_titles(fig: Figure) -> list:
     "The titles of a figure's panels (axes without a title, such as colour bars, are not panels)."
     return [t for ax in fig.axes if (t := ax.get_title())]
 
-def _grid(n:int, ncols:int, panel=(4.6, 3.0)) -> tuple:
+
+def _grid(n: int, ncols: int, panel=(4.6, 3.0)) -> tuple:
     "A figure with exactly `n` axes in rows of `ncols`."
-    ncols = max(1, min(ncols, n)); nrows = math.ceil(n / ncols)
-    fig = Figure(figsize=(panel[0] * ncols, panel[1] * nrows), layout='constrained')
+    ncols = max(1, min(ncols, n))
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(panel[0] * ncols, panel[1] * nrows), layout="constrained")
     axes = list(np.atleast_1d(fig.subplots(nrows, ncols)).ravel())
-    for ax in axes[n:]: ax.remove()
+    for ax in axes[n:]:
+        ax.remove()
     return fig, axes[:n]
 
-def training_figure(rows:list, cfg:Config=None) -> Figure:
+
+def training_figure(rows: list, cfg: Config = None) -> Figure:
     "Loss, learning rate, gradient norm and throughput."
     fig, axes = _grid(4, 2)
-    for ax, f in zip(axes, (plot_loss, plot_lr, plot_grad_norm, plot_throughput)): f(rows, ax, cfg)
+    for ax, f in zip(axes, (plot_loss, plot_lr, plot_grad_norm, plot_throughput)):
+        f(rows, ax, cfg)
     return fig
 
-def routing_figure(rows:list, cfg:Config=None) -> Figure:
+
+def routing_figure(rows: list, cfg: Config = None) -> Figure:
     "Expert load heatmaps (one per MoE layer, one colour scale), routing entropy, cross-population overlap."
     layers = moe_layers(rows)
     fig, axes = _grid(len(layers) + 2, 3)
@@ -216,225 +287,303 @@ def routing_figure(rows:list, cfg:Config=None) -> Figure:
     norm = load_norm(np.concatenate([l.ravel() for l in loads]) if loads else np.zeros(0), cfg)
     ims = [plot_expert_load(rows, ax, i, cfg, norm) for ax, i in zip(axes, layers)]
     if any(im is not None for im in ims):
-        fig.colorbar(next(im for im in ims if im is not None), ax=axes[:len(layers)], label='load / mean (1 = even)', shrink=0.8)
-    plot_router_entropy(rows, axes[-2], cfg); plot_overlap(rows, axes[-1], cfg)
+        fig.colorbar(
+            next(im for im in ims if im is not None), ax=axes[: len(layers)], label="load / mean (1 = even)", shrink=0.8
+        )
+    plot_router_entropy(rows, axes[-2], cfg)
+    plot_overlap(rows, axes[-1], cfg)
     return fig
 
-def loops_figure(rows:list, cfg:Config=None) -> Figure:
+
+def loops_figure(rows: list, cfg: Config = None) -> Figure:
     "Per-loop hidden norm (drift) and per-loop token similarity (collapse) of a recurrent core."
     fig, axes = _grid(2, 2)
-    plot_loop_series(rows, axes[0], 'norm', cfg); plot_loop_series(rows, axes[1], 'token_corr', cfg)
+    plot_loop_series(rows, axes[0], "norm", cfg)
+    plot_loop_series(rows, axes[1], "token_corr", cfg)
     return fig
 
 # %% ../nbs/13_viz.ipynb #84da1f72
 def load_export(path) -> tuple:
     "The model of an export folder (`RUN/final`) in eval mode, and the config it was trained with."
     path = Path(path)
-    f = path / 'config.json'
-    if not f.is_file(): raise FileNotFoundError(f"'{path}' holds no config.json: give an export folder (RUN/final) written by cipher-train")
-    cfg = config_from_dict(json.loads(f.read_text())['config'])
+    f = path / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(
+            f"'{path}' holds no config.json: give an export folder (RUN/final) written by cipher-train"
+        )
+    cfg = config_from_dict(json.loads(f.read_text())["config"])
     model = CipherModel(cfg.model)
     ck.load_weights(path, model)
     return model.eval(), cfg
 
-def final_bp_mode(cfg:Config) -> str:
+
+def final_bp_mode(cfg: Config) -> str:
     "The boundary mode the curriculum trained the last step with (what the model is used with after training)."
     return Curriculum(cfg).bp_mode(cfg.training.max_steps - 1)
 
+
 @torch.no_grad()
-def learned_boundaries(model:CipherModel, text:str, mode:str=None) -> tuple:
+def learned_boundaries(model: CipherModel, text: str, mode: str = None) -> tuple:
     "Per UTF-8 byte of `text`: does the boundary predictor end a segment there (bools), and its score sigmoid(logit) (floats)."
-    if getattr(model, 'boundary', None) is None:
-        raise ValueError("this model has no boundary predictor (model.boundary is false): only byte-level boundary models have boundaries to show")
-    ids = torch.as_tensor(ByteCodec().encode_doc(text, eos=False))[None]   # BOS first, as in training
+    if getattr(model, "boundary", None) is None:
+        raise ValueError(
+            "this model has no boundary predictor (model.boundary is false): only byte-level boundary models have boundaries to show"
+        )
+    ids = torch.as_tensor(ByteCodec().encode_doc(text, eos=False))[None]  # BOS first, as in training
     seen = []
     hook = model.boundary.register_forward_hook(lambda m, args, out: seen.append(out))
-    try: model(input_ids=ids.to(next(model.parameters()).device), bp_mode=mode)
-    finally: hook.remove()
+    try:
+        model(input_ids=ids.to(next(model.parameters()).device), bp_mode=mode)
+    finally:
+        hook.remove()
     seg = seen[0]
     return seg.hard[0, 1:].bool().tolist(), seg.probs[0, 1:].float().tolist()
 
 # %% ../nbs/13_viz.ipynb #9ad0c2de
-_GLYPHS = {'\n': '↵', '\t': '→', ' ': '·'}
+_GLYPHS = {"\n": "↵", "\t": "→", " ": "·"}
 
-def char_cells(text:str, ends:list, width:int=64) -> list:
+
+def char_cells(text: str, ends: list, width: int = 64) -> list:
     "(char, row, col, segment, ends_segment) per character of `text`, given one boundary flag per UTF-8 byte."
     n = len(text.encode())
-    if len(ends) != n: raise ValueError(f"got {len(ends)} boundary flags for {n} bytes of text: give one per UTF-8 byte")
+    if len(ends) != n:
+        raise ValueError(f"got {len(ends)} boundary flags for {n} bytes of text: give one per UTF-8 byte")
     cells, b, seg, row, col = [], 0, 0, 0, 0
     for ch in text:
         nb = len(ch.encode())
-        end = any(ends[b:b + nb]); b += nb
-        if col >= width: row, col = row + 1, 0
+        end = any(ends[b : b + nb])
+        b += nb
+        if col >= width:
+            row, col = row + 1, 0
         cells.append((ch, row, col, seg, end))
         seg += end
-        if ch == '\n': row, col = row + 1, 0
-        else: col += 1
+        if ch == "\n":
+            row, col = row + 1, 0
+        else:
+            col += 1
     return cells
 
 # %% ../nbs/13_viz.ipynb #7e9580a9
-def plot_boundaries(text:str, ends:list, ax, width:int=64, title:str='learned byte boundaries', scores=None):
+def plot_boundaries(text: str, ends: list, ax, width: int = 64, title: str = "learned byte boundaries", scores=None):
     "Draw `text` on a character grid, segments in alternating colours, a red bar after each segment's end, the predictor's score as a strip under each character."
     cells = char_cells(text, ends, width)
-    colours = ('#dbe9f6', '#fde2c4')
-    if scores is not None:   # a character's score is its highest byte's
+    colours = ("#dbe9f6", "#fde2c4")
+    if scores is not None:  # a character's score is its highest byte's
         spans = np.cumsum([0] + [len(ch.encode()) for ch in text])
         per_char = [max(scores[a:b]) for a, b in zip(spans[:-1], spans[1:])]
     for j, (ch, r, c, seg, end) in enumerate(cells):
         ax.add_patch(Rectangle((c, -r - 1), 1, 1, color=colours[seg % 2], lw=0))
-        if scores is not None: ax.add_patch(Rectangle((c, -r - 1), 1, 0.16, color='tab:red', alpha=float(per_char[j]), lw=0))
-        ax.text(c + 0.5, -r - 0.5, _GLYPHS.get(ch, ch), ha='center', va='center', family='monospace', fontsize=8,
-                color='0.55' if ch in _GLYPHS else 'black')
-        if end: ax.plot([c + 1, c + 1], [-r - 1, -r], color='tab:red', lw=1.2)
+        if scores is not None:
+            ax.add_patch(Rectangle((c, -r - 1), 1, 0.16, color="tab:red", alpha=float(per_char[j]), lw=0))
+        ax.text(
+            c + 0.5,
+            -r - 0.5,
+            _GLYPHS.get(ch, ch),
+            ha="center",
+            va="center",
+            family="monospace",
+            fontsize=8,
+            color="0.55" if ch in _GLYPHS else "black",
+        )
+        if end:
+            ax.plot([c + 1, c + 1], [-r - 1, -r], color="tab:red", lw=1.2)
     rows = 1 + max((r for _, r, _, _, _ in cells), default=0)
     ax.set(xlim=(0, width), ylim=(-rows, 0), title=title)
-    ax.set_aspect(1.6); ax.axis('off')
+    ax.set_aspect(1.6)
+    ax.axis("off")
 
 # %% ../nbs/13_viz.ipynb #b4860293
-def sample_text(n_chars:int=400) -> str:
+def sample_text(n_chars: int = 400) -> str:
     "The opening of the standard library `json` module's docstring: real prose and code, present on every machine."
     import json as _json
+
     return textwrap.dedent(_json.__doc__).strip()[:n_chars]
 
-def boundary_figure(model:CipherModel, cfg:Config, text:str=None, mode:str=None, width:int=64) -> Figure:
+
+def boundary_figure(model: CipherModel, cfg: Config, text: str = None, mode: str = None, width: int = 64) -> Figure:
     "A text with the model's learned boundaries marked, and its boundary rate against the target."
     text = sample_text() if text is None else text
     mode = mode or final_bp_mode(cfg)
     ends, scores = learned_boundaries(model, text, mode)
     rows = 1 + max(r for _, r, _, _, _ in char_cells(text, ends, width))
-    fig = Figure(figsize=(width * 0.16, 0.5 + rows * 0.27), layout='constrained')
+    fig = Figure(figsize=(width * 0.16, 0.5 + rows * 0.27), layout="constrained")
     plot_boundaries(text, ends, fig.subplots(), width, scores=scores)
     rate = sum(ends) / max(len(ends), 1)
-    fig.suptitle(f"mode {mode}: {sum(ends)} segments over {len(ends)} bytes, rate {rate:.2f} (target model.bp_rate {cfg.model.bp_rate:.2f}), "
-                 f"mean segment {len(ends) / max(sum(ends), 1):.1f} bytes", fontsize=9)
+    fig.suptitle(
+        f"mode {mode}: {sum(ends)} segments over {len(ends)} bytes, rate {rate:.2f} (target model.bp_rate {cfg.model.bp_rate:.2f}), "
+        f"mean segment {len(ends) / max(sum(ends), 1):.1f} bytes",
+        fontsize=9,
+    )
     return fig
 
 # %% ../nbs/13_viz.ipynb #92fe6814
-def run_figures(run_dir, text:str=None, mode:str=None) -> dict:
+def run_figures(run_dir, text: str = None, mode: str = None) -> dict:
     "{name: Figure} for a run directory: training, routing (MoE runs), loops (recurrent), boundaries (boundary models with an export)."
     rows, cfg = load_run(run_dir)
-    figs = {'training': training_figure(rows, cfg)}
-    if moe_layers(rows): figs['routing'] = routing_figure(rows, cfg)
-    if loop_count(rows): figs['loops'] = loops_figure(rows, cfg)
-    final = Path(run_dir) / 'final'
+    figs = {"training": training_figure(rows, cfg)}
+    if moe_layers(rows):
+        figs["routing"] = routing_figure(rows, cfg)
+    if loop_count(rows):
+        figs["loops"] = loops_figure(rows, cfg)
+    final = Path(run_dir) / "final"
     if cfg.model.boundary and ck.is_complete(final):
         model, mcfg = load_export(final)
-        figs['boundaries'] = boundary_figure(model, mcfg, text, mode)
+        figs["boundaries"] = boundary_figure(model, mcfg, text, mode)
     return figs
 
-def save_png(fig:Figure, path, dpi:int=100) -> Path:
+
+def save_png(fig: Figure, path, dpi: int = 100) -> Path:
     "Write `fig` as a PNG through the Agg canvas (no display needed), its panel titles in the PNG metadata."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=dpi, metadata={'Title': path.stem, 'Description': ' | '.join(panel_titles(fig)), 'Software': 'cipher_nb'})
+    fig.savefig(
+        path,
+        dpi=dpi,
+        metadata={"Title": path.stem, "Description": " | ".join(panel_titles(fig)), "Software": "cipher_nb"},
+    )
     return path
 
 # %% ../nbs/13_viz.ipynb #db37dbe8
 @call_parse
 def cipher_plot(
-    run_dir:str,        # run directory written by cipher-train (metrics.jsonl, config.yaml, final/)
-    out:str=None,       # folder for the PNG files (default: RUN_DIR/plots)
-    text:str=None,      # text to mark the learned boundaries on (boundary models; default: a standard-library docstring)
-    dpi:int=100,        # resolution of the PNG files
+    run_dir: str,  # run directory written by cipher-train (metrics.jsonl, config.yaml, final/)
+    out: str = None,  # folder for the PNG files (default: RUN_DIR/plots)
+    text: str = None,  # text to mark the learned boundaries on (boundary models; default: a standard-library docstring)
+    dpi: int = 100,  # resolution of the PNG files
 ):
     "Write a run's plots as PNG files (training, routing, loops, boundaries) and print each file with its panels."
-    try: figs = run_figures(run_dir, text)
-    except (OSError, ValueError, ConfigError, ck.CheckpointError) as e: raise CliError(f"cipher-plot: {e}")
-    dest = Path(out) if out else Path(run_dir) / 'plots'
+    try:
+        figs = run_figures(run_dir, text)
+    except (OSError, ValueError, ConfigError, ck.CheckpointError) as e:
+        raise CliError(f"cipher-plot: {e}")
+    dest = Path(out) if out else Path(run_dir) / "plots"
     for name, fig in figs.items():
-        p = save_png(fig, dest / f'{name}.png', dpi)
+        p = save_png(fig, dest / f"{name}.png", dpi)
         print(f"{p}: {' | '.join(panel_titles(fig))}")
 
 # %% ../nbs/13_viz.ipynb #8c271209
 def in_jupyter() -> bool:
     "True inside a live Jupyter kernel (where widgets render); False in a terminal, a script or `nbdev-test`."
-    try: from IPython import get_ipython
-    except ImportError: return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
     ip = get_ipython()
-    return ip is not None and 'IPKernelApp' in getattr(ip, 'config', {})
+    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
 
-def plot_latest_load(rows:list, ax, cfg:Config=None):
+
+def plot_latest_load(rows: list, ax, cfg: Config = None):
     "Per-expert load of every MoE layer at the latest row that has it (layers x experts)."
-    ax.set_title('expert load (latest)')
+    ax.set_title("expert load (latest)")
     last = next((r for r in reversed(rows) if any(_LOAD_KEY.fullmatch(k) for k in r)), None)
-    if last is None: return _note(ax, 'no per-expert load logged yet')
+    if last is None:
+        return _note(ax, "no per-expert load logged yet")
     layers = sorted({int(m.group(1)) for k in last if (m := _LOAD_KEY.fullmatch(k))})
     n = 1 + max(int(m.group(2)) for k in last if (m := _LOAD_KEY.fullmatch(k)))
-    grid = np.array([[last.get(f'router/layer{i}_load_{e}', np.nan) for e in range(n)] for i in layers], dtype=float)
-    im = ax.imshow(grid, aspect='auto', origin='lower', interpolation='nearest', cmap='RdBu_r', norm=load_norm(grid, cfg))
-    ax.set(xlabel=f"expert (step {last.get('step')})", ylabel='layer', yticks=range(len(layers)), yticklabels=layers)
-    ax.figure.colorbar(im, ax=ax, label='load / mean')
+    grid = np.array([[last.get(f"router/layer{i}_load_{e}", np.nan) for e in range(n)] for i in layers], dtype=float)
+    im = ax.imshow(
+        grid, aspect="auto", origin="lower", interpolation="nearest", cmap="RdBu_r", norm=load_norm(grid, cfg)
+    )
+    ax.set(xlabel=f"expert (step {last.get('step')})", ylabel="layer", yticks=range(len(layers)), yticklabels=layers)
+    ax.figure.colorbar(im, ax=ax, label="load / mean")
 
-def plot_warnings(threats:list, ax, n:int=5, width:int=80):
+
+def plot_warnings(threats: list, ax, n: int = 5, width: int = 80):
     "The last `n` health warnings, wrapped."
-    ax.set_title(f'warnings ({len(threats)})'); ax.axis('off')
-    if not threats: return ax.text(0, 1, 'none', va='top', fontsize=9, color='tab:green', transform=ax.transAxes)
+    ax.set_title(f"warnings ({len(threats)})")
+    ax.axis("off")
+    if not threats:
+        return ax.text(0, 1, "none", va="top", fontsize=9, color="tab:green", transform=ax.transAxes)
     lines = [l for t in threats[-n:] for l in textwrap.wrap(f"step {t.step}: {t.name}: {t.message}", width)[:3]]
-    ax.text(0, 1, '\n'.join(lines), va='top', fontsize=7.5, family='monospace', color='tab:red', transform=ax.transAxes)
+    ax.text(0, 1, "\n".join(lines), va="top", fontsize=7.5, family="monospace", color="tab:red", transform=ax.transAxes)
 
 # %% ../nbs/13_viz.ipynb #c9d36773
-def status_line(rows:list, max_steps:int=None, eta_s:float=None) -> str:
+def status_line(rows: list, max_steps: int = None, eta_s: float = None) -> str:
     "One line: step, last training and held-out loss, throughput, time left."
     parts = []
-    step = next((r['step'] for r in reversed(rows) if 'step' in r), None)
-    if step is not None: parts.append(f"step {step}" + (f"/{max_steps}" if max_steps else ''))
-    for key, name in (('loss', 'loss'), ('val/loss', 'held-out'), ('val/bpb', 'bpb')):
+    step = next((r["step"] for r in reversed(rows) if "step" in r), None)
+    if step is not None:
+        parts.append(f"step {step}" + (f"/{max_steps}" if max_steps else ""))
+    for key, name in (("loss", "loss"), ("val/loss", "held-out"), ("val/bpb", "bpb")):
         v = next((r[key] for r in reversed(rows) if _is_num(r.get(key))), None)
-        if v is not None: parts.append(f"{name} {v:.3f}")
-    tps = next((r['tok_per_s'] for r in reversed(rows) if _is_num(r.get('tok_per_s'))), None)
-    if tps is not None: parts.append(f"{tps:,.0f} tok/s")
-    if eta_s is not None: parts.append(f"{int(eta_s) // 60}m{int(eta_s) % 60:02d}s left")
-    return ' | '.join(parts)
+        if v is not None:
+            parts.append(f"{name} {v:.3f}")
+    tps = next((r["tok_per_s"] for r in reversed(rows) if _is_num(r.get("tok_per_s"))), None)
+    if tps is not None:
+        parts.append(f"{tps:,.0f} tok/s")
+    if eta_s is not None:
+        parts.append(f"{int(eta_s) // 60}m{int(eta_s) % 60:02d}s left")
+    return " | ".join(parts)
 
-def dashboard_figure(rows:list, threats:list=(), cfg:Config=None, title:str='') -> Figure:
+
+def dashboard_figure(rows: list, threats: list = (), cfg: Config = None, title: str = "") -> Figure:
     "The dashboard: loss, throughput, the latest expert load, the warnings."
     fig, axes = _grid(4, 2, panel=(5.2, 2.8))
-    plot_loss(rows, axes[0], cfg); plot_throughput(rows, axes[1], cfg)
-    plot_latest_load(rows, axes[2], cfg); plot_warnings(list(threats), axes[3])
-    if title: fig.suptitle(title, fontsize=10)
+    plot_loss(rows, axes[0], cfg)
+    plot_throughput(rows, axes[1], cfg)
+    plot_latest_load(rows, axes[2], cfg)
+    plot_warnings(list(threats), axes[3])
+    if title:
+        fig.suptitle(title, fontsize=10)
     return fig
 
 # %% ../nbs/13_viz.ipynb #6c5d1fe8
 class LiveDashboard:
     "Trainer callback: loss, throughput, expert load and warnings redrawn on log steps (a widget in Jupyter, RUN/dashboard.png elsewhere)."
-    def __init__(self, every:int=1, path=None, widget:bool=None, dpi:int=80):
-        if every < 1: raise ValueError(f"every = {every}: redraw every 1 or more log rows")
+
+    def __init__(self, every: int = 1, path=None, widget: bool = None, dpi: int = 80):
+        if every < 1:
+            raise ValueError(f"every = {every}: redraw every 1 or more log rows")
         self.every, self.path, self.dpi = every, path, dpi
         self.widget = in_jupyter() if widget is None else widget
         self.rows, self.n_logged, self.draws, self.threats = [], 0, 0, []
-        self._clock, self._view = [], None   # (time, step) at log rows; the widgets once shown
+        self._clock, self._view = [], None  # (time, step) at log rows; the widgets once shown
 
     def warnings(self, trainer) -> list:
         "The health warnings of the trainer's other callbacks (the monitor's), in order."
-        return [w for cb in getattr(trainer, 'callbacks', ()) if cb is not self for w in (getattr(cb, 'warnings', None) or [])]
+        return [
+            w
+            for cb in getattr(trainer, "callbacks", ())
+            if cb is not self
+            for w in (getattr(cb, "warnings", None) or [])
+        ]
 
     def eta(self, trainer):
         "Seconds left at the pace between the last two log rows (None until there are two)."
-        if len(self._clock) < 2: return None
+        if len(self._clock) < 2:
+            return None
         (t0, s0), (t1, s1) = self._clock[-2], self._clock[-1]
         return (trainer.cfg.training.max_steps - s1) * (t1 - t0) / (s1 - s0) if s1 > s0 else None
 
-    def on_log(self, trainer, metrics:dict):
-        if not getattr(trainer, 'is_main', True): return
-        self.rows.append(dict(metrics)); self.n_logged += 1
+    def on_log(self, trainer, metrics: dict):
+        if not getattr(trainer, "is_main", True):
+            return
+        self.rows.append(dict(metrics))
+        self.n_logged += 1
         self.threats = self.warnings(trainer)
-        self._clock.append((time.perf_counter(), metrics.get('step', 0)))
-        if self.n_logged % self.every == 0: self.update(trainer)
+        self._clock.append((time.perf_counter(), metrics.get("step", 0)))
+        if self.n_logged % self.every == 0:
+            self.update(trainer)
 
     def on_end(self, trainer):
-        if getattr(trainer, 'is_main', True) and self.rows: self.update(trainer)
+        if getattr(trainer, "is_main", True) and self.rows:
+            self.update(trainer)
 
 # %% ../nbs/13_viz.ipynb #4ad3a148
-def _png_path(self:LiveDashboard, trainer) -> Path:
-    if self.path: return Path(self.path)
-    if getattr(trainer, 'run_dir', None) is None: raise ValueError("LiveDashboard outside Jupyter writes a PNG: give path= or a trainer with a run_dir")
-    return Path(trainer.run_dir) / 'dashboard.png'
+def _png_path(self: LiveDashboard, trainer) -> Path:
+    if self.path:
+        return Path(self.path)
+    if getattr(trainer, "run_dir", None) is None:
+        raise ValueError("LiveDashboard outside Jupyter writes a PNG: give path= or a trainer with a run_dir")
+    return Path(trainer.run_dir) / "dashboard.png"
 
-def _show(self:LiveDashboard, fig:Figure, status:str):
+
+def _show(self: LiveDashboard, fig: Figure, status: str):
     "Draw into the notebook's widgets (created on the first call)."
     import ipywidgets as W
     from IPython.display import display
+
     if self._view is None:
         self._view = (W.HTML(), W.Output())
         display(W.VBox(list(self._view)))
@@ -444,142 +593,196 @@ def _show(self:LiveDashboard, fig:Figure, status:str):
         out.clear_output(wait=True)
         display(fig)
 
-def update(self:LiveDashboard, trainer):
+
+def update(self: LiveDashboard, trainer):
     "Redraw now: into the widget in Jupyter, else into the PNG (written to a temporary name, then renamed)."
-    cfg = getattr(trainer, 'cfg', None)
+    cfg = getattr(trainer, "cfg", None)
     status = status_line(self.rows, cfg.training.max_steps if cfg else None, self.eta(trainer) if cfg else None)
-    fig = dashboard_figure(self.rows, self.warnings(trainer), cfg, '' if self.widget else status)
-    if self.widget: self._show(fig, status)
+    fig = dashboard_figure(self.rows, self.warnings(trainer), cfg, "" if self.widget else status)
+    if self.widget:
+        self._show(fig, status)
     else:
         path = self._png_path(trainer)
-        tmp = save_png(fig, path.with_name(f'.{path.stem}.tmp.png'), self.dpi)
+        tmp = save_png(fig, path.with_name(f".{path.stem}.tmp.png"), self.dpi)
         tmp.replace(path)
     self.draws += 1
+
 
 LiveDashboard._png_path, LiveDashboard._show, LiveDashboard.update = _png_path, _show, update
 
 # %% ../nbs/13_viz.ipynb #e46563d2
-def train_command(config:str=None, overrides=(), **flags) -> str:
+def train_command(config: str = None, overrides=(), **flags) -> str:
     "The `cipher-train` command line for a preset, `a.b=c` overrides and flags (`out='runs/a'`, `max_steps=60`, `init=...`)."
-    parts = ['cipher-train'] + ([shlex.quote(str(config))] if config else []) + [shlex.quote(o) for o in overrides]
+    parts = ["cipher-train"] + ([shlex.quote(str(config))] if config else []) + [shlex.quote(o) for o in overrides]
     for k, v in flags.items():
-        if v is None or v is False: continue
+        if v is None or v is False:
+            continue
         parts += [f"--{k.replace('_', '-')}"] + ([] if v is True else [shlex.quote(str(v))])
-    return ' '.join(parts)
+    return " ".join(parts)
 
 # %% ../nbs/13_viz.ipynb #e48807b1
-_MARKER = 'run_once.json'
+_MARKER = "run_once.json"
+
 
 @contextmanager
-def _locked(path:Path):
+def _locked(path: Path):
     "An exclusive lock on `path` (created if missing), held for the block: other processes wait."
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, 'a') as f:
+    with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        try: yield
-        finally: fcntl.flock(f, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
-def run_request(cfg:Config) -> dict:
+
+def run_request(cfg: Config) -> dict:
     "What makes a run the same run: its config hash and the content hash of its --init source."
     return dict(config_hash=config_hash(cfg), init=ck.checkpoint_hash(cfg.stage.init) if cfg.stage.init else None)
 
-def finished_run(run_dir, cfg:Config) -> bool:
+
+def finished_run(run_dir, cfg: Config) -> bool:
     "Whether `run_dir` holds a finished run of `cfg`: complete export, same config hash, same --init weights."
     run_dir = Path(run_dir)
     m = run_dir / _MARKER
-    if not (m.is_file() and ck.is_complete(run_dir / 'final')): return False
-    try: return json.loads(m.read_text()) == run_request(cfg)
-    except (ValueError, ck.CheckpointError): return False
+    if not (m.is_file() and ck.is_complete(run_dir / "final")):
+        return False
+    try:
+        return json.loads(m.read_text()) == run_request(cfg)
+    except (ValueError, ck.CheckpointError):
+        return False
 
-def _clear(run_dir:Path):
-    if not run_dir.exists(): return
-    if any(run_dir.iterdir()) and not ((run_dir / 'config.yaml').exists() or (run_dir / 'metrics.jsonl').exists()):
-        raise FileExistsError(f"'{run_dir}' is not empty and is not a run directory (no config.yaml or metrics.jsonl): choose another out folder")
+
+def _clear(run_dir: Path):
+    if not run_dir.exists():
+        return
+    if any(run_dir.iterdir()) and not ((run_dir / "config.yaml").exists() or (run_dir / "metrics.jsonl").exists()):
+        raise FileExistsError(
+            f"'{run_dir}' is not empty and is not a run directory (no config.yaml or metrics.jsonl): choose another out folder"
+        )
     shutil.rmtree(run_dir)
 
 # %% ../nbs/13_viz.ipynb #08cabcfc
-def run_once(cfg:Config, run_dir, callbacks=(), progress:bool=False, command=None) -> Path:
+def run_once(cfg: Config, run_dir, callbacks=(), progress: bool = False, command=None) -> Path:
     "Train `cfg` into `run_dir` (in process, or with `command` as a subprocess) unless it already holds this finished run."
     run_dir = Path(run_dir)
-    with _locked(run_dir.parent / f'.{run_dir.name}.lock'):
+    with _locked(run_dir.parent / f".{run_dir.name}.lock"):
         if finished_run(run_dir, cfg):
             print(f"{run_dir}: finished run of this config found, reused (delete the folder to train it again)")
             return run_dir
         _clear(run_dir)
-        if command is None: build_trainer(cfg, run_dir, callbacks=callbacks, progress=progress).fit(progress=progress)
+        if command is None:
+            build_trainer(cfg, run_dir, callbacks=callbacks, progress=progress).fit(progress=progress)
         else:
             r = subprocess.run(command, capture_output=True, text=True)
-            if r.returncode: raise RuntimeError(f"{' '.join(map(str, command))} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+            if r.returncode:
+                raise RuntimeError(f"{' '.join(map(str, command))} failed ({r.returncode}):\n{r.stderr[-2000:]}")
         ck.write_json_atomic(run_dir / _MARKER, run_request(cfg))
     return run_dir
 
-def run_stage(config:str=None, overrides=(), callbacks=(), progress:bool=False, **flags) -> Path:
+
+def run_stage(config: str = None, overrides=(), callbacks=(), progress: bool = False, **flags) -> Path:
     "Train in this process exactly what `train_command(config, overrides, **flags)` runs (reusing a finished identical run)."
-    if flags.get('resume'): raise ValueError("run_stage starts or reuses runs; to continue a stopped one use cipher-train --out RUN --resume auto")
-    flags.pop('quiet', None)
+    if flags.get("resume"):
+        raise ValueError(
+            "run_stage starts or reuses runs; to continue a stopped one use cipher-train --out RUN --resume auto"
+        )
+    flags.pop("quiet", None)
     cfg, run_dir = resolve_run(config, overrides, **flags)
     return run_once(cfg, run_dir, callbacks, progress)
 
 # %% ../nbs/13_viz.ipynb #76e9ad3f
-def ablation_grid(axes:dict) -> list:
+def ablation_grid(axes: dict) -> list:
     "Every combination of the values in `axes` (`{'model.top_k': [1, 2], 'training.lr': [1e-3, 3e-3]}`) as override lists."
     for k, vs in axes.items():
-        if '.' not in k: raise ConfigError(f"ablation key '{k}' is not of the form section.key (e.g. model.top_k)")
-        if not isinstance(vs, (list, tuple)) or not vs: raise ConfigError(f"ablation key '{k}': give a non-empty list of values, got {vs!r}")
-    return [[f'{k}={v}' for k, v in zip(axes, combo)] for combo in itertools.product(*axes.values())]
+        if "." not in k:
+            raise ConfigError(f"ablation key '{k}' is not of the form section.key (e.g. model.top_k)")
+        if not isinstance(vs, (list, tuple)) or not vs:
+            raise ConfigError(f"ablation key '{k}': give a non-empty list of values, got {vs!r}")
+    return [[f"{k}={v}" for k, v in zip(axes, combo)] for combo in itertools.product(*axes.values())]
+
 
 def variant_name(overrides) -> str:
     "A short folder name for a variant: the last part of each key with its value (`top_k=1_lr=0.003`)."
-    name = '_'.join(f"{o.split('=', 1)[0].rsplit('.', 1)[-1]}={o.split('=', 1)[1]}" for o in overrides) or 'base'
-    return re.sub(r'[^\w.=+-]', '-', name)
+    name = "_".join(f"{o.split('=', 1)[0].rsplit('.', 1)[-1]}={o.split('=', 1)[1]}" for o in overrides) or "base"
+    return re.sub(r"[^\w.=+-]", "-", name)
 
 # %% ../nbs/13_viz.ipynb #85da5f12
 def cipher_train_script() -> str:
     "The path of the `cipher-train` console script of this environment."
-    here = Path(sys.executable).parent / 'cipher-train'
-    found = str(here) if here.exists() else shutil.which('cipher-train')
-    if not found: raise FileNotFoundError("no cipher-train script next to this Python or on PATH: install cipher_nb (pip install -e .)")
+    here = Path(sys.executable).parent / "cipher-train"
+    found = str(here) if here.exists() else shutil.which("cipher-train")
+    if not found:
+        raise FileNotFoundError(
+            "no cipher-train script next to this Python or on PATH: install cipher_nb (pip install -e .)"
+        )
     return found
 
-def run_ablation(grid:list, root, config:str=None, overrides=(), subprocess:bool=False, progress:bool=False) -> dict:
+
+def run_ablation(
+    grid: list, root, config: str = None, overrides=(), subprocess: bool = False, progress: bool = False
+) -> dict:
     "Train each variant (a list of overrides on top of `config` and `overrides`) into ROOT/<variant_name>; {name: run_dir}."
     runs = {}
     for variant in grid:
         name = variant_name(variant)
-        if name in runs: raise ValueError(f"two variants share the folder name '{name}': make their values differ")
+        if name in runs:
+            raise ValueError(f"two variants share the folder name '{name}': make their values differ")
         run_dir = Path(root) / name
         cfg = load_config(config, [*overrides, *variant])
         cmd = None
-        if subprocess:   # the same console script a shell would run; its config comes out identical to cfg
-            cmd = [cipher_train_script(), *([str(config)] if config else []), *overrides, *variant, '--out', str(run_dir), '--quiet']
+        if subprocess:  # the same console script a shell would run; its config comes out identical to cfg
+            cmd = [
+                cipher_train_script(),
+                *([str(config)] if config else []),
+                *overrides,
+                *variant,
+                "--out",
+                str(run_dir),
+                "--quiet",
+            ]
         runs[name] = run_once(cfg, run_dir, progress=progress, command=cmd)
     return runs
 
-def final_figures(rows:list) -> dict:
+
+def final_figures(rows: list) -> dict:
     "A run's final figures: steps, last training and held-out loss, best held-out loss, median throughput, worst expert load, largest gradient norm."
-    last = lambda k: (float(v[-1]) if len(v := metric(rows, k)[1]) else None)
-    val = metric(rows, 'val/loss')[1]
-    tps = metric(rows, 'tok_per_s')[1]
-    loads = [v for i in moe_layers(rows) if (v := last(f'router/layer{i}_max_load')) is not None]
-    g = metric(rows, 'grad_norm')[1]
-    return {'steps': int(max(r.get('step', 0) for r in rows)), 'loss': last('loss'), 'val/loss': last('val/loss'),
-            'best val/loss': float(val.min()) if len(val) else None, 'val/bpb': last('val/bpb'),
-            'tok/s': float(np.median(tps[1:] if len(tps) > 1 else tps)) if len(tps) else None,   # the first row pays for start-up
-            'max load': max(loads) if loads else None, 'max grad_norm': float(g.max()) if len(g) else None}
+    last = lambda k: float(v[-1]) if len(v := metric(rows, k)[1]) else None
+    val = metric(rows, "val/loss")[1]
+    tps = metric(rows, "tok_per_s")[1]
+    loads = [v for i in moe_layers(rows) if (v := last(f"router/layer{i}_max_load")) is not None]
+    g = metric(rows, "grad_norm")[1]
+    return {
+        "steps": int(max(r.get("step", 0) for r in rows)),
+        "loss": last("loss"),
+        "val/loss": last("val/loss"),
+        "best val/loss": float(val.min()) if len(val) else None,
+        "val/bpb": last("val/bpb"),
+        "tok/s": float(np.median(tps[1:] if len(tps) > 1 else tps))
+        if len(tps)
+        else None,  # the first row pays for start-up
+        "max load": max(loads) if loads else None,
+        "max grad_norm": float(g.max()) if len(g) else None,
+    }
 
-def ablation_table(runs:dict) -> list:
+
+def ablation_table(runs: dict) -> list:
     "One row of final figures per run (`{name: run_dir}`), in the order given."
-    return [{'variant': name, **final_figures(read_metrics(Path(d) / 'metrics.jsonl'))} for name, d in runs.items()]
+    return [{"variant": name, **final_figures(read_metrics(Path(d) / "metrics.jsonl"))} for name, d in runs.items()]
 
-def plot_ablation(runs:dict, keys=('loss', 'val/loss')) -> Figure:
+
+def plot_ablation(runs: dict, keys=("loss", "val/loss")) -> Figure:
     "One panel per metric in `keys`, one line per run, side by side."
     fig, axes = _grid(len(keys), len(keys))
-    data = {name: read_metrics(Path(d) / 'metrics.jsonl') for name, d in runs.items()}
+    data = {name: read_metrics(Path(d) / "metrics.jsonl") for name, d in runs.items()}
     for ax, key in zip(axes, keys):
         for name, rows in data.items():
             s, v = metric(rows, key)
-            if len(s): ax.plot(s, v, 'o-' if key.startswith('val/') else '-', ms=3, label=name)
-        ax.set(title=key, xlabel='step')
-        if ax.lines: ax.legend(fontsize=7)
-        else: _note(ax, f'no {key} logged')
+            if len(s):
+                ax.plot(s, v, "o-" if key.startswith("val/") else "-", ms=3, label=name)
+        ax.set(title=key, xlabel="step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            _note(ax, f"no {key} logged")
     return fig

@@ -10,130 +10,204 @@ checkpoint only to local disk) have room for the checkpoints the run keeps; the 
 that reads back identical; a `--init` source exists and fits the stage contract; the data is reachable (one batch
 read through the real loader of this stage). `--skip-gpu` runs the rest on a machine without a GPU.
 """
-import argparse, os, shutil, sys, threading, time, uuid
+
+import argparse
+import os
+import shutil
+import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
 GB = 1e9
 
+
 def check(name, fn):
     "Run one check: fn returns (passed, figure); an exception is a failure whose message is the figure."
-    try: ok, fig = fn()
-    except Exception as e: ok, fig = False, f"{type(e).__name__}: {e}"
+    try:
+        ok, fig = fn()
+    except Exception as e:
+        ok, fig = False, f"{type(e).__name__}: {e}"
     return name, ok, fig
 
-def check_gpu(cfg, want:int):
+
+def check_gpu(cfg, want: int):
     import torch
+
     from cipher_nb.precision import detect_precision
+
     if not torch.cuda.is_available():
-        return False, ("no CUDA GPU visible (torch.cuda.is_available() is False; torch "
-                       f"{torch.__version__}, CUDA build {torch.version.cuda}): check the driver, CUDA_VISIBLE_DEVICES and the torch wheel, "
-                       "or pass --skip-gpu to run the other checks")
+        return False, (
+            "no CUDA GPU visible (torch.cuda.is_available() is False; torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda}): check the driver, CUDA_VISIBLE_DEVICES and the torch wheel, "
+            "or pass --skip-gpu to run the other checks"
+        )
     n = torch.cuda.device_count()
     names = {torch.cuda.get_device_name(i) for i in range(n)}
     mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(n)) / 2**30
     choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
     fig = f"{n} x {', '.join(sorted(names))} ({mem:.0f} GiB each); precision {cfg.training.precision} -> {choice.mode} ({choice.reason})"
-    if n < want: return False, fig + f"; need {want} (--gpus)"
-    fell_back = cfg.training.precision not in ('auto', choice.mode)
-    return not fell_back, fig + ("; the requested precision is not available here" if fell_back else '')
+    if n < want:
+        return False, fig + f"; need {want} (--gpus)"
+    fell_back = cfg.training.precision not in ("auto", choice.mode)
+    return not fell_back, fig + ("; the requested precision is not available here" if fell_back else "")
+
 
 def checkpoint_gb(cfg) -> float:
     "Size of one training checkpoint: fp32 weights and AdamW's two moments (8-bit AdamW: two bytes of moments)."
     from cipher_nb.config import param_counts
-    n = param_counts(cfg.model)['total']
-    return n * (4 + (2 if cfg.optim.name == 'adamw8bit' else 8)) / GB
 
-def need_gb(cfg, min_gb:float) -> float:
+    n = param_counts(cfg.model)["total"]
+    return n * (4 + (2 if cfg.optim.name == "adamw8bit" else 8)) / GB
+
+
+def need_gb(cfg, min_gb: float) -> float:
     "Room for keep_last step checkpoints, best/, one being written, and the export; at least --min-disk-gb."
     return max(min_gb, checkpoint_gb(cfg) * (cfg.training.keep_last + 2) + checkpoint_gb(cfg) / 3)
 
-def _existing(p:Path) -> Path:
-    while not p.exists(): p = p.parent
+
+def _existing(p: Path) -> Path:
+    while not p.exists():
+        p = p.parent
     return p
 
-def check_disk(path:Path, cfg, min_gb:float):
+
+def check_disk(path: Path, cfg, min_gb: float):
     free = shutil.disk_usage(_existing(path)).free / GB
     need = need_gb(cfg, min_gb)
-    return free >= need, f"{free:,.1f} GB free at {_existing(path)}, need {need:,.1f} GB ({cfg.training.keep_last} kept + best + one in flight, {checkpoint_gb(cfg):.2f} GB each)"
+    return (
+        free >= need,
+        f"{free:,.1f} GB free at {_existing(path)}, need {need:,.1f} GB ({cfg.training.keep_last} kept + best + one in flight, {checkpoint_gb(cfg):.2f} GB each)",
+    )
 
-def check_writable(path:Path, size_mb:int=8):
+
+def check_writable(path: Path, size_mb: int = 8):
     "Create the folder, write a file, fsync, read it back identical, delete it."
     path.mkdir(parents=True, exist_ok=True)
-    probe = path / f'.preflight-{uuid.uuid4().hex}'
+    probe = path / f".preflight-{uuid.uuid4().hex}"
     data = os.urandom(size_mb << 20)
     t0 = time.perf_counter()
     try:
-        with open(probe, 'wb') as f: f.write(data); f.flush(); os.fsync(f.fileno())
+        with open(probe, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         secs = time.perf_counter() - t0
         same = probe.read_bytes() == data
-    finally: probe.unlink(missing_ok=True)
-    return same, f"wrote and read back {size_mb} MB at {size_mb / max(secs, 1e-9):,.0f} MB/s" + ('' if same else ': READ BACK DIFFERENT')
+    finally:
+        probe.unlink(missing_ok=True)
+    return same, f"wrote and read back {size_mb} MB at {size_mb / max(secs, 1e-9):,.0f} MB/s" + (
+        "" if same else ": READ BACK DIFFERENT"
+    )
 
-def check_persistent(cfg, out:Path, allow_local:bool):
+
+def check_persistent(cfg, out: Path, allow_local: bool):
     p = cfg.training.persistent_dir
     if not p:
-        if allow_local: return None, "training.persistent_dir is empty: checkpoints stay on local disk (--allow-local)"
-        return False, ("training.persistent_dir is empty: checkpoints would live only on this machine's disk and die with it "
-                       "(seed 000: never checkpoint only to local disk). Set training.persistent_dir=/path/on/a/persistent/volume")
+        if allow_local:
+            return None, "training.persistent_dir is empty: checkpoints stay on local disk (--allow-local)"
+        return False, (
+            "training.persistent_dir is empty: checkpoints would live only on this machine's disk and die with it "
+            "(seed 000: never checkpoint only to local disk). Set training.persistent_dir=/path/on/a/persistent/volume"
+        )
     ok, fig = check_writable(Path(p))
     same_dev = os.stat(_existing(out)).st_dev == os.stat(p).st_dev
-    return ok, f"{p}: {fig}" + ("; note: same filesystem as the run directory, is it really a persistent volume?" if same_dev else '')
+    return ok, f"{p}: {fig}" + (
+        "; note: same filesystem as the run directory, is it really a persistent volume?" if same_dev else ""
+    )
+
 
 def check_init(cfg):
-    if not cfg.stage.init: return None, "no --init (training from scratch)"
+    if not cfg.stage.init:
+        return None, "no --init (training from scratch)"
     from cipher_nb import checkpoint as ck
-    from cipher_nb.data import data_fingerprint   # refinement must read exactly its source's data
+    from cipher_nb.data import data_fingerprint  # refinement must read exactly its source's data
+
     meta = ck.check_init_source(cfg.stage.init, cfg, data_fingerprint(cfg))
     return True, f"{cfg.stage.init}: stage {meta.get('stage')} step {meta.get('step')} -> {cfg.stage.name}"
 
-def check_data(cfg, timeout:float):
+
+def check_data(cfg, timeout: float):
     "One training batch through this stage's real loader, within `timeout` seconds."
     from cipher_nb.train import stage_hooks
+
     res = {}
+
     def read():
         try:
             hooks = stage_hooks(cfg.stage.name)
             c = hooks.config(cfg)
             loader, _ = hooks.data(c, 0, 1)
             b = next(iter(loader))
-            res['fig'] = f"{c.data.source} {c.data.path or ''}".strip() + f": one batch {tuple(b['input_ids'].shape)}"
-        except BaseException as e: res['err'] = e
+            res["fig"] = f"{c.data.source} {c.data.path or ''}".strip() + f": one batch {tuple(b['input_ids'].shape)}"
+        except BaseException as e:
+            res["err"] = e
+
     t = threading.Thread(target=read, daemon=True)
-    t0 = time.perf_counter(); t.start(); t.join(timeout)
-    if t.is_alive(): return False, f"no batch within {timeout:g} s from data.source={cfg.data.source} {cfg.data.path}: network, credentials or the path?"
-    if 'err' in res: raise res['err']
-    return True, res['fig'] + f" in {time.perf_counter() - t0:.1f} s"
+    t0 = time.perf_counter()
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        return (
+            False,
+            f"no batch within {timeout:g} s from data.source={cfg.data.source} {cfg.data.path}: network, credentials or the path?",
+        )
+    if "err" in res:
+        raise res["err"]
+    return True, res["fig"] + f" in {time.perf_counter() - t0:.1f} s"
+
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('config', nargs='?', help='a YAML preset (default: the built-in tiny-cpu config)')
-    ap.add_argument('overrides', nargs='*', help='section.key=value overrides, as given to cipher-train')
-    ap.add_argument('--gpus', type=int, default=int(os.environ.get('LOCAL_WORLD_SIZE', 1)), help='GPUs this node must have')
-    ap.add_argument('--skip-gpu', action='store_true', help='skip the GPU check (run the others on a CPU machine)')
-    ap.add_argument('--out', default=None, help='the run directory cipher-train will write (default: training.out_dir)')
-    ap.add_argument('--min-disk-gb', type=float, default=0.0, help='free space to demand at least, in GB')
-    ap.add_argument('--allow-local', action='store_true', help='accept an empty training.persistent_dir')
-    ap.add_argument('--data-timeout', type=float, default=120.0, help='seconds to wait for the first batch')
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("config", nargs="?", help="a YAML preset (default: the built-in tiny-cpu config)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides, as given to cipher-train")
+    ap.add_argument(
+        "--gpus", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), help="GPUs this node must have"
+    )
+    ap.add_argument("--skip-gpu", action="store_true", help="skip the GPU check (run the others on a CPU machine)")
+    ap.add_argument("--out", default=None, help="the run directory cipher-train will write (default: training.out_dir)")
+    ap.add_argument("--min-disk-gb", type=float, default=0.0, help="free space to demand at least, in GB")
+    ap.add_argument("--allow-local", action="store_true", help="accept an empty training.persistent_dir")
+    ap.add_argument("--data-timeout", type=float, default=120.0, help="seconds to wait for the first batch")
     a = ap.parse_args(argv)
-    if a.config and '=' in a.config and not a.config.endswith(('.yaml', '.yml')): a.config, a.overrides = None, [a.config, *a.overrides]
+    if a.config and "=" in a.config and not a.config.endswith((".yaml", ".yml")):
+        a.config, a.overrides = None, [a.config, *a.overrides]
 
     from cipher_nb.config import load_config
-    results = [check('config', lambda: (True, f"{a.config or 'defaults'} with {len(a.overrides)} override(s)"))]
-    try: cfg = load_config(a.config, a.overrides)
+
+    results = [check("config", lambda: (True, f"{a.config or 'defaults'} with {len(a.overrides)} override(s)"))]
+    try:
+        cfg = load_config(a.config, a.overrides)
     except Exception as e:
-        results = [('config', False, f"{type(e).__name__}: {e}")]; cfg = None
+        results = [("config", False, f"{type(e).__name__}: {e}")]
+        cfg = None
     if cfg is not None:
-        out = Path(a.out or Path(cfg.training.out_dir) / (cfg.training.run_name or 'run'))
-        results += [('gpu', None, 'skipped (--skip-gpu)') if a.skip_gpu else check('gpu', lambda: check_gpu(cfg, a.gpus)),
-                    check('disk: run directory', lambda: check_disk(out, cfg, a.min_disk_gb)),
-                    check('run directory writable', lambda: check_writable(out, 1)),
-                    check('persistent checkpoint directory', lambda: check_persistent(cfg, out, a.allow_local))]
-        if cfg.training.persistent_dir: results.append(check('disk: persistent directory', lambda: check_disk(Path(cfg.training.persistent_dir), cfg, a.min_disk_gb)))
-        results += [check('init source', lambda: check_init(cfg)), check('data reachable', lambda: check_data(cfg, a.data_timeout))]
+        out = Path(a.out or Path(cfg.training.out_dir) / (cfg.training.run_name or "run"))
+        results += [
+            ("gpu", None, "skipped (--skip-gpu)") if a.skip_gpu else check("gpu", lambda: check_gpu(cfg, a.gpus)),
+            check("disk: run directory", lambda: check_disk(out, cfg, a.min_disk_gb)),
+            check("run directory writable", lambda: check_writable(out, 1)),
+            check("persistent checkpoint directory", lambda: check_persistent(cfg, out, a.allow_local)),
+        ]
+        if cfg.training.persistent_dir:
+            results.append(
+                check(
+                    "disk: persistent directory",
+                    lambda: check_disk(Path(cfg.training.persistent_dir), cfg, a.min_disk_gb),
+                )
+            )
+        results += [
+            check("init source", lambda: check_init(cfg)),
+            check("data reachable", lambda: check_data(cfg, a.data_timeout)),
+        ]
     w = max(len(n) for n, _, _ in results)
-    for n, ok, fig in results: print(f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[ok] }  {n:<{w}}  {fig}")
+    for n, ok, fig in results:
+        print(f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[ok] }  {n:<{w}}  {fig}")
     failed = [n for n, ok, _ in results if ok is False]
     print(f"preflight {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}")
     return 1 if failed else 0
 
-if __name__ == '__main__': sys.exit(main())
+
+if __name__ == "__main__":
+    sys.exit(main())

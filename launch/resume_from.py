@@ -5,14 +5,19 @@
     python launch/resume_from.py runs/h100-a /mnt/persist/h100-a
 
 A machine that replaced a preempted one has an empty local disk: the mirror is where its checkpoints survived."""
-import sys, warnings
-from cipher_nb.checkpoint import latest_checkpoint, checkpoint_step
+
+import sys
+import warnings
+
+from cipher_nb.checkpoint import checkpoint_step, latest_checkpoint
+
 
 def newest(dirs) -> str:
     found = [p for d in dirs if (p := latest_checkpoint(d)) is not None]
-    return str(max(found, key=checkpoint_step)) if found else 'auto'
+    return str(max(found, key=checkpoint_step)) if found else "auto"
 
-if __name__ == '__main__':
+
+if __name__ == "__main__":
     with warnings.catch_warnings():
-        warnings.simplefilter('always')
+        warnings.simplefilter("always")
         print(newest(sys.argv[1:]))

@@ -1,5 +1,8 @@
 "FSDP2 checkpoints through torch.distributed.checkpoint: two CPU processes (gloo) save a sharded toy model and load it back."
-import sys, textwrap
+
+import sys
+import textwrap
+
 from conftest import run_cli
 
 WORKER = textwrap.dedent("""
@@ -68,14 +71,28 @@ WORKER = textwrap.dedent("""
     os._exit(0)
 """)
 
+
 def test_fsdp2_save_and_load_every_parameter_equal(tmp_path):
-    script = tmp_path / 'worker.py'; script.write_text(WORKER)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
     # --standalone: torchrun picks a free rendezvous port itself; the GPU is hidden so FSDP2 shards on CPU with gloo
-    r = run_cli(sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                str(script), str(tmp_path / 'run'), timeout=300, env={'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''})
+    r = run_cli(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        str(tmp_path / "run"),
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert 'rank 0 ok' in r.stdout and 'rank 1 ok' in r.stdout, r.stdout
-    ck = tmp_path / 'run' / 'checkpoints' / 'step_0000002'
-    assert (ck / 'COMPLETE').is_file() and (ck / 'sharded' / '.metadata').is_file()
-    assert sorted(p.name for p in (ck / 'sharded').glob('*.distcp')) == ['__0_0.distcp', '__1_0.distcp']   # each rank wrote its shards
-    assert (tmp_path / 'run' / 'final' / 'model.safetensors').is_file()
+    assert "rank 0 ok" in r.stdout and "rank 1 ok" in r.stdout, r.stdout
+    ck = tmp_path / "run" / "checkpoints" / "step_0000002"
+    assert (ck / "COMPLETE").is_file() and (ck / "sharded" / ".metadata").is_file()
+    assert sorted(p.name for p in (ck / "sharded").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]  # each rank wrote its shards
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -1,6 +1,8 @@
 """Loss-free balancing across ranks: two gloo processes see different tokens, and after `update_moe_biases` both hold
 the bias that the summed counts of both ranks (over two micro-batches each) give."""
-import dataclasses, tempfile
+
+import dataclasses
+import tempfile
 from pathlib import Path
 
 import torch
@@ -11,7 +13,7 @@ import torch.nn as nn
 from cipher_nb.config import ModelConfig
 from cipher_nb.moe import MoE, update_moe_biases
 
-CFG = ModelConfig(d_model=16, n_routed=6, n_shared=0, top_k=2, expert_d_ff=8, bias_gamma=.1)
+CFG = ModelConfig(d_model=16, n_routed=6, n_shared=0, top_k=2, expert_d_ff=8, bias_gamma=0.1)
 
 
 def _model():
@@ -21,35 +23,38 @@ def _model():
 
 def _batches(rank):
     g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(2, 7 + rank, CFG.d_model, generator=g) for _ in range(2)]   # ranks see different token counts
+    return [torch.randn(2, 7 + rank, CFG.d_model, generator=g) for _ in range(2)]  # ranks see different token counts
 
 
 def _forward_all(model, x):
-    for m in model: m(x)
+    for m in model:
+        m(x)
 
 
 def _worker(rank, world, init_file, out_dir):
-    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         model = _model().train()
-        for x in _batches(rank): _forward_all(model, x)        # two micro-batches of one step
+        for x in _batches(rank):
+            _forward_all(model, x)  # two micro-batches of one step
         n = update_moe_biases(model)
-        torch.save({'n': n, 'bias': [m.expert_bias.clone() for m in model]}, Path(out_dir) / f'rank{rank}.pt')
+        torch.save({"n": n, "bias": [m.expert_bias.clone() for m in model]}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 def test_bias_update_sums_counts_over_ranks_and_micro_batches():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, f'{d}/init', d), nprocs=2, join=True)
-        got = [torch.load(Path(d) / f'rank{r}.pt') for r in range(2)]
+        mp.spawn(_worker, args=(2, f"{d}/init", d), nprocs=2, join=True)
+        got = [torch.load(Path(d) / f"rank{r}.pt") for r in range(2)]
     # the same step in one process: every micro-batch of both ranks, then one update
     model = _model().train()
     for r in range(2):
-        for x in _batches(r): _forward_all(model, x)
+        for x in _batches(r):
+            _forward_all(model, x)
     update_moe_biases(model)
-    assert got[0]['n'] == got[1]['n'] == 2
+    assert got[0]["n"] == got[1]["n"] == 2
     for layer, m in enumerate(model):
-        assert torch.equal(got[0]['bias'][layer], got[1]['bias'][layer])      # ranks agree
-        assert torch.allclose(got[0]['bias'][layer], m.expert_bias)           # and match the summed counts
-        assert m.expert_bias.abs().sum() > 0                                  # something moved
+        assert torch.equal(got[0]["bias"][layer], got[1]["bias"][layer])  # ranks agree
+        assert torch.allclose(got[0]["bias"][layer], m.expert_bias)  # and match the summed counts
+        assert m.expert_bias.abs().sum() > 0  # something moved

@@ -1,5 +1,7 @@
 "Precision conversion on real cipher_nb modules, 8-bit AdamW checkpoints through files, and the cross-optimizer resume."
-import sys, warnings
+
+import sys
+import warnings
 
 import pytest
 import torch
@@ -8,20 +10,35 @@ from conftest import run_cli
 
 from cipher_nb.config import Config, ModelConfig
 from cipher_nb.moe import MoE
-from cipher_nb.precision import (DeviceCaps, OptimizerResetWarning, build_optimizer, convert_model, detect_precision,
-                                 load_optimizer_state, optimizer_kind, optimizer_state, probe_device, probe_libs)
+from cipher_nb.precision import (
+    DeviceCaps,
+    OptimizerResetWarning,
+    build_optimizer,
+    convert_model,
+    detect_precision,
+    load_optimizer_state,
+    optimizer_kind,
+    optimizer_state,
+    probe_device,
+    probe_libs,
+)
 
-torch.set_num_threads(1)   # tiny matmuls: one thread avoids OpenMP spin-waits on a shared box
+torch.set_num_threads(1)  # tiny matmuls: one thread avoids OpenMP spin-waits on a shared box
 
 
 class Block(nn.Module):
     "A block with the model's parameter names around the real MoE."
+
     def __init__(self, cfg):
         super().__init__()
         self.attn_norm, self.ffn_norm = nn.RMSNorm(cfg.d_model), nn.RMSNorm(cfg.d_model)
         self.attn = nn.Module()
-        self.attn.wq, self.attn.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False), nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.attn.wq, self.attn.wo = (
+            nn.Linear(cfg.d_model, cfg.d_model, bias=False),
+            nn.Linear(cfg.d_model, cfg.d_model, bias=False),
+        )
         self.ffn = MoE(cfg)
+
     def forward(self, x):
         x = x + self.attn.wo(torch.tanh(self.attn.wq(self.attn_norm(x))))
         y, aux, _ = self.ffn(self.ffn_norm(x))
@@ -30,25 +47,38 @@ class Block(nn.Module):
 
 class Tiny(nn.Module):
     "embed -> boundary gate -> MoE blocks -> norm -> untied head, named like CipherModel."
+
     def __init__(self, cfg):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
         self.boundary = nn.Linear(cfg.d_model, 1)
         self.layers = nn.ModuleList([Block(cfg) for _ in range(2)])
         self.norm, self.head = nn.RMSNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
     def forward(self, input_ids, labels):
         x = self.embed(input_ids)
         x = x * torch.sigmoid(self.boundary(x))
         aux = 0
         for blk in self.layers:
-            x, a = blk(x); aux = aux + a
+            x, a = blk(x)
+            aux = aux + a
         logits = self.head(self.norm(x)).float()
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) + aux
 
 
 def tiny_cfg(**kw):
-    return ModelConfig(vocab=272, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_routed=4, top_k=2, n_shared=1,
-                       expert_d_ff=32, **kw)
+    return ModelConfig(
+        vocab=272,
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_routed=4,
+        top_k=2,
+        n_shared=1,
+        expert_d_ff=32,
+        **kw,
+    )
 
 
 def batch(seed=0, B=2, T=32):
@@ -58,138 +88,171 @@ def batch(seed=0, B=2, T=32):
 
 
 def step(model):
-    with torch.autocast('cpu', dtype=torch.bfloat16): loss = model(**batch())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch())
     loss.backward()
 
 
-@pytest.mark.parametrize('mode', ['fp8', 'mxfp8'])
+@pytest.mark.parametrize("mode", ["fp8", "mxfp8"])
 def test_convert_real_moe_trains_and_keeps_filtered_modules_high(mode):
     torch.manual_seed(0)
-    model = Tiny(tiny_cfg(moe_impl='grouped'))
+    model = Tiny(tiny_cfg(moe_impl="grouped"))
     report = convert_model(model, detect_precision(mode, DeviceCaps(), emulate=True), probe=step)
-    converted = sorted(report['converted'])
-    assert converted == [f'layers.{i}.{n}' for i in range(2) for n in ('attn.wo', 'attn.wq', 'ffn.shared.w_down', 'ffn.shared.w_gate', 'ffn.shared.w_up')]
-    for name in ('boundary', 'head', 'layers.0.ffn.router'): assert name in report['kept']
-    assert type(model.head) is nn.Linear and type(model.layers[0].ffn.router) is nn.Linear and type(model.embed) is nn.Embedding
-    assert all(type(p.data) is torch.Tensor for n, p in model.named_parameters() if 'norm' in n or 'boundary' in n or 'router' in n)
-    if mode == 'mxfp8':   # torchao emulates MXFP8 grouped GEMMs, so the real MoE's experts go low precision too
-        assert sorted(report['experts']['converted']) == [f'layers.{i}.ffn.experts.{w}' for i in range(2) for w in ('w_down', 'w_gate', 'w_up')]
-    else:                 # its fp8 grouped GEMM has no emulation: experts stay high, and the report says why
-        assert report['experts']['converted'] == [] and 'no emulated path' in report['experts']['reason']
-    assert report['kernels']['calls'][f'mm:{mode}'] > 0 and 0 < report['kernels']['lowp_share'] < 1
+    converted = sorted(report["converted"])
+    assert converted == [
+        f"layers.{i}.{n}"
+        for i in range(2)
+        for n in ("attn.wo", "attn.wq", "ffn.shared.w_down", "ffn.shared.w_gate", "ffn.shared.w_up")
+    ]
+    for name in ("boundary", "head", "layers.0.ffn.router"):
+        assert name in report["kept"]
+    assert (
+        type(model.head) is nn.Linear
+        and type(model.layers[0].ffn.router) is nn.Linear
+        and type(model.embed) is nn.Embedding
+    )
+    assert all(
+        type(p.data) is torch.Tensor
+        for n, p in model.named_parameters()
+        if "norm" in n or "boundary" in n or "router" in n
+    )
+    if mode == "mxfp8":  # torchao emulates MXFP8 grouped GEMMs, so the real MoE's experts go low precision too
+        assert sorted(report["experts"]["converted"]) == [
+            f"layers.{i}.ffn.experts.{w}" for i in range(2) for w in ("w_down", "w_gate", "w_up")
+        ]
+    else:  # its fp8 grouped GEMM has no emulation: experts stay high, and the report says why
+        assert report["experts"]["converted"] == [] and "no emulated path" in report["experts"]["reason"]
+    assert report["kernels"]["calls"][f"mm:{mode}"] > 0 and 0 < report["kernels"]["lowp_share"] < 1
     step(model)
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize('mode', ['fp8', 'mxfp8'])
+@pytest.mark.parametrize("mode", ["fp8", "mxfp8"])
 def test_cipher_model_converts(mode):
     "A byte-level CipherModel with boundary predictor and recurrent core: the filter, the experts, forward and backward."
     from cipher_nb.model import CipherModel
+
     torch.manual_seed(0)
-    cfg = tiny_cfg(n_layers=3, n_prelude=1, n_core=1, n_coda=1, n_loops=2, boundary=True, tie_embeddings=False, moe_impl='grouped')
+    cfg = tiny_cfg(
+        n_layers=3, n_prelude=1, n_core=1, n_coda=1, n_loops=2, boundary=True, tie_embeddings=False, moe_impl="grouped"
+    )
     model = CipherModel(cfg)
-    ids = batch()['input_ids']
+    ids = batch()["input_ids"]
+
     def probe(m):
-        with torch.autocast('cpu', dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             out = m(input_ids=ids, labels=ids)
         (out.loss + sum(out.aux.values())).backward()
+
     report = convert_model(model, detect_precision(mode, DeviceCaps(), emulate=True), probe=probe)
-    kept = report['kept']
-    assert kept['head'] == 'LM head' and kept['layers.1.ffn.router'] == 'router gate'
-    assert {v for k, v in kept.items() if k.startswith('boundary.')} == {'boundary predictor'}
-    converted = set(report['converted'])
-    assert 'inject' in converted and 'byte_in.0.attn.wq' in converted and 'layers.1.ffn.shared.w_up' in converted
-    assert not any('norm' in n or 'boundary' in n or 'router' in n or n in ('head', 'embed') for n in converted)
-    assert all(type(p.data) is torch.Tensor for n, p in model.named_parameters()
-               if any(s in n for s in ('norm', 'boundary', 'router', 'embed', 'head')))
-    if mode == 'mxfp8': assert len(report['experts']['converted']) == 6, report['experts']
-    else: assert report['experts']['converted'] == []
-    assert report['kernels']['calls'][f'mm:{mode}'] > 0
+    kept = report["kept"]
+    assert kept["head"] == "LM head" and kept["layers.1.ffn.router"] == "router gate"
+    assert {v for k, v in kept.items() if k.startswith("boundary.")} == {"boundary predictor"}
+    converted = set(report["converted"])
+    assert "inject" in converted and "byte_in.0.attn.wq" in converted and "layers.1.ffn.shared.w_up" in converted
+    assert not any("norm" in n or "boundary" in n or "router" in n or n in ("head", "embed") for n in converted)
+    assert all(
+        type(p.data) is torch.Tensor
+        for n, p in model.named_parameters()
+        if any(s in n for s in ("norm", "boundary", "router", "embed", "head"))
+    )
+    if mode == "mxfp8":
+        assert len(report["experts"]["converted"]) == 6, report["experts"]
+    else:
+        assert report["experts"]["converted"] == []
+    assert report["kernels"]["calls"][f"mm:{mode}"] > 0
     probe(model)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_gpu_check_smoke_runs_on_cpu(root):
-    r = run_cli(sys.executable, 'benchmarks/gpu_check.py', '--smoke', '--modes', 'bf16,fp8,mxfp8', timeout=300)
+    r = run_cli(sys.executable, "benchmarks/gpu_check.py", "--smoke", "--modes", "bf16,fp8,mxfp8", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    table = r.stdout[r.stdout.index('mode '):]
+    table = r.stdout[r.stdout.index("mode ") :]
     rows = {line.split()[0]: line for line in table.splitlines()[2:] if line.strip()}
-    assert set(rows) == {'bf16', 'fp8', 'mxfp8'} and 'FAILED' not in table, table
-    assert 'mxfp8 grouped GEMM' in rows['mxfp8'] and rows['bf16'].split()[6] == '1.00'
+    assert set(rows) == {"bf16", "fp8", "mxfp8"} and "FAILED" not in table, table
+    assert "mxfp8 grouped GEMM" in rows["mxfp8"] and rows["bf16"].split()[6] == "1.00"
 
 
 def run_steps(model, opt, n, start=0):
     losses = []
     for i in range(start, start + n):
         loss = model(**batch(i % 2))
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
 
 
 def fresh(name, lr=3e-3):
     torch.manual_seed(0)
-    model = Tiny(tiny_cfg(moe_impl='bmm'))
-    cfg = Config(); cfg.optim.name = name; cfg.training.lr = lr
+    model = Tiny(tiny_cfg(moe_impl="bmm"))
+    cfg = Config()
+    cfg.optim.name = name
+    cfg.training.lr = lr
     return model, build_optimizer(model, cfg)
 
 
 def test_adamw8bit_lowers_loss_and_resumes_through_a_file(tmp_path):
-    model, opt = fresh('adamw8bit')
-    assert optimizer_kind(opt) == 'adamw8bit'
+    model, opt = fresh("adamw8bit")
+    assert optimizer_kind(opt) == "adamw8bit"
     straight = run_steps(model, opt, 8)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     assert straight[-1] < straight[0] - 0.3, straight
 
-    model, opt = fresh('adamw8bit')
+    model, opt = fresh("adamw8bit")
     first = run_steps(model, opt, 4)
-    path = tmp_path / 'ck.pt'
+    path = tmp_path / "ck.pt"
     torch.save(dict(model=model.state_dict(), optim=optimizer_state(opt)), path)
     ck = torch.load(path, weights_only=True)
-    assert ck['optim']['kind'] == 'adamw8bit'
-    model, opt = fresh('adamw8bit')
-    model.load_state_dict(ck['model'])
-    assert load_optimizer_state(opt, ck['optim'], where=str(path)) is True
+    assert ck["optim"]["kind"] == "adamw8bit"
+    model, opt = fresh("adamw8bit")
+    model.load_state_dict(ck["model"])
+    assert load_optimizer_state(opt, ck["optim"], where=str(path)) is True
     second = run_steps(model, opt, 4, start=4)
     assert first + second == straight
-    for k, v in model.state_dict().items(): assert torch.equal(v, want[k]), k
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
 
 
-@pytest.mark.parametrize('saved_kind,new_kind', [('adamw8bit', 'adamw'), ('adamw', 'adamw8bit')])
+@pytest.mark.parametrize("saved_kind,new_kind", [("adamw8bit", "adamw"), ("adamw", "adamw8bit")])
 def test_cross_optimizer_resume_reinitialises_with_a_warning(tmp_path, saved_kind, new_kind):
     model, opt = fresh(saved_kind)
     run_steps(model, opt, 2)
-    path = tmp_path / 'ck.pt'
+    path = tmp_path / "ck.pt"
     torch.save(dict(model=model.state_dict(), optim=optimizer_state(opt)), path)
     ck = torch.load(path, weights_only=True)
     model, opt = fresh(new_kind)
-    model.load_state_dict(ck['model'])
+    model.load_state_dict(ck["model"])
     with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter('always')
-        assert load_optimizer_state(opt, ck['optim'], where=str(path)) is False
+        warnings.simplefilter("always")
+        assert load_optimizer_state(opt, ck["optim"], where=str(path)) is False
     msgs = [str(x.message) for x in w if issubclass(x.category, OptimizerResetWarning)]
     assert len(msgs) == 1 and saved_kind in msgs[0] and new_kind in msgs[0] and str(path) in msgs[0]
     assert len(opt.state) == 0
-    losses = run_steps(model, opt, 2, start=2)   # the fresh optimizer trains on from the loaded weights
+    losses = run_steps(model, opt, 2, start=2)  # the fresh optimizer trains on from the loaded weights
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
 def test_bare_state_dict_kind_is_inferred():
-    model, opt = fresh('adamw')
+    model, opt = fresh("adamw")
     run_steps(model, opt, 1)
     sd = opt.state_dict()
     with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter('always')
-        assert load_optimizer_state(fresh('adamw8bit')[1], sd) is False
+        warnings.simplefilter("always")
+        assert load_optimizer_state(fresh("adamw8bit")[1], sd) is False
     assert any(issubclass(x.category, OptimizerResetWarning) for x in w)
-    assert load_optimizer_state(fresh('adamw')[1], sd) is True
+    assert load_optimizer_state(fresh("adamw")[1], sd) is True
 
 
 def test_detection_on_this_machine_matches_the_device():
     caps = probe_device()
-    choice = detect_precision('auto')
-    if not caps.cuda: assert choice.mode == 'fp32' and 'CPU' in choice.reason
-    else: assert choice.mode in ('bf16', 'fp16', 'fp8', 'mxfp8')
+    choice = detect_precision("auto")
+    if not caps.cuda:
+        assert choice.mode == "fp32" and "CPU" in choice.reason
+    else:
+        assert choice.mode in ("bf16", "fp16", "fp8", "mxfp8")
     libs = probe_libs()
-    assert libs.float8, libs.why   # torchao is a dependency: its float8 path must import
+    assert libs.float8, libs.why  # torchao is a dependency: its float8 path must import

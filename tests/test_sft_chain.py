@@ -1,103 +1,193 @@
 "The release chain as processes on the embedded defaults: pretrain -> refinement -> SFT; LoRA; exact resume; the refusals."
-import csv, json, shutil, signal, sys
+
+import csv
+import json
+import shutil
+import signal
+import sys
 from pathlib import Path
-import pytest, torch, yaml
-from conftest import run_cli, ROOT
 
-MODEL = ['model.d_model=64', 'model.n_layers=2', 'model.n_heads=2', 'model.n_kv_heads=1', 'model.head_dim=32',
-         'model.n_routed=4', 'model.expert_d_ff=64']
-PRETRAIN = [*MODEL, 'training.seq_len=128', 'training.batch_size=8', 'training.warmup_steps=5', 'training.eval_batches=2',
-            'training.eval_every=1000', 'training.checkpoint_every=1000', 'training.log_every=10']
-SFT = [*MODEL, 'training.seq_len=256', 'training.batch_size=4', 'training.log_every=5', 'sft.max_train_examples=96',
-       'sft.epochs=2', 'sft.lr=2e-3', 'sft.min_lr=2e-4']
-ENV = {'OMP_NUM_THREADS': '1'}   # these models are tiny: one thread is faster, and far faster on a busy machine
+import pytest
+import torch
+import yaml
+from conftest import ROOT, run_cli
 
-def cli(): return shutil.which('cipher-train') or str(ROOT / '.venv/bin/cipher-train')
-def train(out, *args, env=None): return run_cli(cli(), '--out', str(out), '--quiet', *args, env={**ENV, **(env or {})})
-def csv_rows(run): return list(csv.DictReader(open(Path(run) / 'metrics.csv')))
+MODEL = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=32",
+    "model.n_routed=4",
+    "model.expert_d_ff=64",
+]
+PRETRAIN = [
+    *MODEL,
+    "training.seq_len=128",
+    "training.batch_size=8",
+    "training.warmup_steps=5",
+    "training.eval_batches=2",
+    "training.eval_every=1000",
+    "training.checkpoint_every=1000",
+    "training.log_every=10",
+]
+SFT = [
+    *MODEL,
+    "training.seq_len=256",
+    "training.batch_size=4",
+    "training.log_every=5",
+    "sft.max_train_examples=96",
+    "sft.epochs=2",
+    "sft.lr=2e-3",
+    "sft.min_lr=2e-4",
+]
+ENV = {"OMP_NUM_THREADS": "1"}  # these models are tiny: one thread is faster, and far faster on a busy machine
+
+
+def cli():
+    return shutil.which("cipher-train") or str(ROOT / ".venv/bin/cipher-train")
+
+
+def train(out, *args, env=None):
+    return run_cli(cli(), "--out", str(out), "--quiet", *args, env={**ENV, **(env or {})})
+
+
+def csv_rows(run):
+    return list(csv.DictReader(open(Path(run) / "metrics.csv")))
+
+
 def weights(path):
     from safetensors.torch import load_file
-    return load_file(Path(path) / 'model.safetensors')
 
-@pytest.fixture(scope='module')
+    return load_file(Path(path) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     "Pretraining, then refinement from its final/ (same data, fresh optimizer): the source of every SFT run below."
-    d = tmp_path_factory.mktemp('chain')
-    r = train(d / 'pretrain', '--max-steps', '60', *PRETRAIN)
+    d = tmp_path_factory.mktemp("chain")
+    r = train(d / "pretrain", "--max-steps", "60", *PRETRAIN)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = train(d / 'refinement', '--stage', 'refinement', '--init', str(d / 'pretrain/final'), '--max-steps', '20', *PRETRAIN)
+    r = train(
+        d / "refinement", "--stage", "refinement", "--init", str(d / "pretrain/final"), "--max-steps", "20", *PRETRAIN
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return d
 
-@pytest.fixture(scope='module')
+
+@pytest.fixture(scope="module")
 def sft_run(chain):
-    run = chain / 'sft'
-    r = train(run, '--stage', 'sft', '--init', str(chain / 'refinement/final'), *SFT)
+    run = chain / "sft"
+    r = train(run, "--stage", "sft", "--init", str(chain / "refinement/final"), *SFT)
     assert r.returncode == 0, r.stderr[-3000:]
     return run
 
+
 def test_chain_sft_improves_on_its_source(sft_run, capsys):
     rows = csv_rows(sft_run)
-    cfg = yaml.safe_load((sft_run / 'config.yaml').read_text())
-    spe = cfg['training']['eval_every']   # SFTHooks.config: one evaluation per epoch
-    assert [int(r['step']) for r in rows] == [0, spe, 2 * spe]   # the source checkpoint, then every epoch
-    losses = [float(r['val/loss']) for r in rows]
-    with capsys.disabled(): print(f"\nSFT held-out loss by epoch (nats per answer byte): {losses}; bpb {[r['val/bpb'] for r in rows]}")
+    cfg = yaml.safe_load((sft_run / "config.yaml").read_text())
+    spe = cfg["training"]["eval_every"]  # SFTHooks.config: one evaluation per epoch
+    assert [int(r["step"]) for r in rows] == [0, spe, 2 * spe]  # the source checkpoint, then every epoch
+    losses = [float(r["val/loss"]) for r in rows]
+    with capsys.disabled():
+        print(f"\nSFT held-out loss by epoch (nats per answer byte): {losses}; bpb {[r['val/bpb'] for r in rows]}")
     assert losses[-1] < losses[0], losses
-    for step in (spe, 2 * spe): assert (sft_run / f'checkpoints/step_{step:07d}/COMPLETE').exists()
-    assert (sft_run / 'checkpoints/best/COMPLETE').exists() and (sft_run / 'final/model.safetensors').exists()
-    rec = json.loads((sft_run / 'record.json').read_text())
-    assert rec['stage'] == 'sft' and rec['mode'] == 'full' and rec['source_checkpoint']['stage'] == 'refinement'
-    assert any(l.startswith('sft data stdlib-qa') for l in rec['limitations'])
-    assert [e['step'] for e in rec['evals']] == [0, spe, 2 * spe] and rec['selection_rule']
-    assert cfg['training']['lr'] == 2e-3 and cfg['training']['max_steps'] == 2 * spe and cfg['training']['eval_at_start']
+    for step in (spe, 2 * spe):
+        assert (sft_run / f"checkpoints/step_{step:07d}/COMPLETE").exists()
+    assert (sft_run / "checkpoints/best/COMPLETE").exists() and (sft_run / "final/model.safetensors").exists()
+    rec = json.loads((sft_run / "record.json").read_text())
+    assert rec["stage"] == "sft" and rec["mode"] == "full" and rec["source_checkpoint"]["stage"] == "refinement"
+    assert any(l.startswith("sft data stdlib-qa") for l in rec["limitations"])
+    assert [e["step"] for e in rec["evals"]] == [0, spe, 2 * spe] and rec["selection_rule"]
+    assert (
+        cfg["training"]["lr"] == 2e-3 and cfg["training"]["max_steps"] == 2 * spe and cfg["training"]["eval_at_start"]
+    )
+
 
 def test_pretrain_to_sft_is_refused(chain, tmp_path):
-    r = train(tmp_path / 'bad', '--stage', 'sft', '--init', str(chain / 'pretrain/final'), *SFT)
-    assert r.returncode != 0 and 'pretrain -> sft is refused' in r.stderr
+    r = train(tmp_path / "bad", "--stage", "sft", "--init", str(chain / "pretrain/final"), *SFT)
+    assert r.returncode != 0 and "pretrain -> sft is refused" in r.stderr
+
 
 def test_full_parameter_state_refuses_a_lora_resume(sft_run):
-    r = train(sft_run, '--resume', 'auto', 'sft.lora_rank=4')
-    assert r.returncode != 0 and 'sft.lora_rank' in r.stderr, r.stderr[-2000:]
+    r = train(sft_run, "--resume", "auto", "sft.lora_rank=4")
+    assert r.returncode != 0 and "sft.lora_rank" in r.stderr, r.stderr[-2000:]
+
 
 def test_kill_and_resume_is_bit_identical(chain, sft_run, tmp_path):
     "SFT killed right after its first epoch checkpoint and resumed ends with the same metrics and the same weights."
-    spe = int(csv_rows(sft_run)[1]['step'])
-    run = tmp_path / 'killed'
-    args = ['--stage', 'sft', '--init', str(chain / 'refinement/final'), *SFT]
-    r = train(run, *args, env={'CIPHER_FAULT_KILL_STEP': str(spe)})
+    spe = int(csv_rows(sft_run)[1]["step"])
+    run = tmp_path / "killed"
+    args = ["--stage", "sft", "--init", str(chain / "refinement/final"), *SFT]
+    r = train(run, *args, env={"CIPHER_FAULT_KILL_STEP": str(spe)})
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    r = train(run, '--resume', 'auto', *args)
+    r = train(run, "--resume", "auto", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert csv_rows(run) == csv_rows(sft_run)
-    wa, wb = weights(sft_run / 'final'), weights(run / 'final')
+    wa, wb = weights(sft_run / "final"), weights(run / "final")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
+
 def test_lora_trains_adapters_only_and_exports_merged(chain, tmp_path):
-    run = tmp_path / 'lora'
-    r = train(run, '--stage', 'sft', '--init', str(chain / 'refinement/final'), *SFT, 'sft.epochs=1', 'sft.lora_rank=4',
-              'sft.lora_targets=[wq, wv]')
+    run = tmp_path / "lora"
+    r = train(
+        run,
+        "--stage",
+        "sft",
+        "--init",
+        str(chain / "refinement/final"),
+        *SFT,
+        "sft.epochs=1",
+        "sft.lora_rank=4",
+        "sft.lora_targets=[wq, wv]",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    src, out = weights(chain / 'refinement/final'), weights(run / 'final')
-    assert src.keys() == out.keys()   # merged: no adapter tensors in the export
+    src, out = weights(chain / "refinement/final"), weights(run / "final")
+    assert src.keys() == out.keys()  # merged: no adapter tensors in the export
     changed = {k for k in src if not torch.equal(src[k], out[k])}
-    assert changed and all(k.endswith(('attn.wq.weight', 'attn.wv.weight')) for k in changed), changed   # the rest is bit-identical
-    rec = json.loads((run / 'record.json').read_text())
-    assert rec['mode'] == 'lora' and float(csv_rows(run)[-1]['val/loss']) < float(csv_rows(run)[0]['val/loss'])
-    r = train(run, '--resume', 'auto', 'sft.lora_rank=0')
-    assert r.returncode != 0 and 'sft.lora_rank' in r.stderr, r.stderr[-2000:]
-    r = train(tmp_path / 'full', '--stage', 'sft', '--init', str(run / 'final'), 'stage.source_stage=sft', *SFT)
-    assert r.returncode != 0 and 'LoRA checkpoint' in r.stderr, r.stderr[-2000:]
+    assert changed and all(k.endswith(("attn.wq.weight", "attn.wv.weight")) for k in changed), (
+        changed
+    )  # the rest is bit-identical
+    rec = json.loads((run / "record.json").read_text())
+    assert rec["mode"] == "lora" and float(csv_rows(run)[-1]["val/loss"]) < float(csv_rows(run)[0]["val/loss"])
+    r = train(run, "--resume", "auto", "sft.lora_rank=0")
+    assert r.returncode != 0 and "sft.lora_rank" in r.stderr, r.stderr[-2000:]
+    r = train(tmp_path / "full", "--stage", "sft", "--init", str(run / "final"), "stage.source_stage=sft", *SFT)
+    assert r.returncode != 0 and "LoRA checkpoint" in r.stderr, r.stderr[-2000:]
+
 
 def test_torchrun_fsdp_lora_matches_one_process(chain, sft_run, tmp_path):
     "Two CPU ranks (FSDP2, LoRA): the same held-out figure for the source checkpoint as one process, and a merged export."
-    torchrun = shutil.which('torchrun') or str(Path(sys.executable).parent / 'torchrun')
-    run = tmp_path / 'fsdp'
-    r = run_cli(torchrun, '--standalone', '--nproc_per_node=2', cli(), '--out', str(run), '--quiet', '--stage', 'sft',
-                '--init', str(chain / 'refinement/final'), *SFT, 'sft.epochs=1', 'sft.lora_rank=4', 'training.parallel=fsdp',
-                env={**ENV, 'CUDA_VISIBLE_DEVICES': ''})
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    run = tmp_path / "fsdp"
+    r = run_cli(
+        torchrun,
+        "--standalone",
+        "--nproc_per_node=2",
+        cli(),
+        "--out",
+        str(run),
+        "--quiet",
+        "--stage",
+        "sft",
+        "--init",
+        str(chain / "refinement/final"),
+        *SFT,
+        "sft.epochs=1",
+        "sft.lora_rank=4",
+        "training.parallel=fsdp",
+        env={**ENV, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     two, one = csv_rows(run), csv_rows(sft_run)
-    assert abs(float(two[0]['val/loss']) - float(one[0]['val/loss'])) < 1e-5, (two[0], one[0])   # the whole held-out set, split over ranks
-    src, out = weights(chain / 'refinement/final'), weights(run / 'final')
-    assert src.keys() == out.keys() and {k.split('.')[-2] for k in src if not torch.equal(src[k], out[k])} <= {'wq', 'wk', 'wv', 'wo'}
+    assert abs(float(two[0]["val/loss"]) - float(one[0]["val/loss"])) < 1e-5, (
+        two[0],
+        one[0],
+    )  # the whole held-out set, split over ranks
+    src, out = weights(chain / "refinement/final"), weights(run / "final")
+    assert src.keys() == out.keys() and {k.split(".")[-2] for k in src if not torch.equal(src[k], out[k])} <= {
+        "wq",
+        "wk",
+        "wv",
+        "wo",
+    }

@@ -1,90 +1,163 @@
 "cipher-train as a process: the run directory, clean stops and resume, exact resume after a kill, skipped steps, torchrun."
-import json, os, shutil, signal, subprocess, sys, time
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
-import pytest, torch
-from conftest import run_cli, ROOT
 
-SMALL = ['model.d_model=64', 'model.n_layers=2', 'model.n_heads=2', 'model.n_kv_heads=1', 'model.head_dim=32', 'model.n_routed=4',
-         'model.expert_d_ff=64', 'training.seq_len=64', 'training.batch_size=4', 'training.eval_batches=2', 'training.warmup_steps=2']
+import pytest
+import torch
+from conftest import ROOT, run_cli
 
-def cli(): return shutil.which('cipher-train') or str(ROOT / '.venv/bin/cipher-train')
-def rows(run): return [json.loads(l) for l in (Path(run) / 'metrics.jsonl').read_text().splitlines() if l.strip()]
+SMALL = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=32",
+    "model.n_routed=4",
+    "model.expert_d_ff=64",
+    "training.seq_len=64",
+    "training.batch_size=4",
+    "training.eval_batches=2",
+    "training.warmup_steps=2",
+]
+
+
+def cli():
+    return shutil.which("cipher-train") or str(ROOT / ".venv/bin/cipher-train")
+
+
+def rows(run):
+    return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
 
 def train(out, *args, env=None, timeout=600):
-    return run_cli(cli(), '--out', str(out), '--quiet', *args, env=env, timeout=timeout)
+    return run_cli(cli(), "--out", str(out), "--quiet", *args, env=env, timeout=timeout)
+
 
 def test_default_run_writes_the_run_directory(tmp_path):
     "The default model and data (tiny-cpu on the standard library), shortened: DESIGN.md's run directory, and the loss falls."
-    run = tmp_path / 'run'
-    r = train(run, '--max-steps', '40', 'training.batch_size=8', 'training.seq_len=128', 'training.log_every=5',
-              'training.eval_every=20', 'training.checkpoint_every=20', 'training.eval_batches=2', 'training.warmup_steps=5')
+    run = tmp_path / "run"
+    r = train(
+        run,
+        "--max-steps",
+        "40",
+        "training.batch_size=8",
+        "training.seq_len=128",
+        "training.log_every=5",
+        "training.eval_every=20",
+        "training.checkpoint_every=20",
+        "training.eval_batches=2",
+        "training.warmup_steps=5",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    for f in ('config.yaml', 'metrics.jsonl', 'record.json', 'final/model.safetensors', 'final/config.json',
-              'checkpoints/step_0000040/COMPLETE', 'checkpoints/step_0000020/COMPLETE'):
+    for f in (
+        "config.yaml",
+        "metrics.jsonl",
+        "record.json",
+        "final/model.safetensors",
+        "final/config.json",
+        "checkpoints/step_0000040/COMPLETE",
+        "checkpoints/step_0000020/COMPLETE",
+    ):
         assert (run / f).exists(), f
-    m = [x for x in rows(run) if 'loss' in x]
-    assert m[-1]['loss'] < m[0]['loss'] - 0.3, (m[0]['loss'], m[-1]['loss'])
-    assert 'run directory' in r.stderr and str(run) in r.stderr
-    rec = json.loads((run / 'record.json').read_text())
-    assert rec['export'] and rec['evals'] and rec['precision']['mode'] == 'fp32'
+    m = [x for x in rows(run) if "loss" in x]
+    assert m[-1]["loss"] < m[0]["loss"] - 0.3, (m[0]["loss"], m[-1]["loss"])
+    assert "run directory" in r.stderr and str(run) in r.stderr
+    rec = json.loads((run / "record.json").read_text())
+    assert rec["export"] and rec["evals"] and rec["precision"]["mode"] == "fp32"
+
 
 def test_sigterm_saves_and_resume_auto_finishes(tmp_path):
-    run = tmp_path / 'run'
-    p = subprocess.Popen([cli(), '--out', str(run), '--quiet', '--max-steps', '300', 'training.log_every=1',
-                          'training.checkpoint_every=1000', 'training.eval_every=1000', *SMALL],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    run = tmp_path / "run"
+    p = subprocess.Popen(
+        [
+            cli(),
+            "--out",
+            str(run),
+            "--quiet",
+            "--max-steps",
+            "300",
+            "training.log_every=1",
+            "training.checkpoint_every=1000",
+            "training.eval_every=1000",
+            *SMALL,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     deadline = time.time() + 300
-    while time.time() < deadline and not ((run / 'metrics.jsonl').exists() and len(rows(run)) >= 3): time.sleep(0.05)
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(rows(run)) >= 3):
+        time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
-    stopped = rows(run)[-1]['step']
-    assert 3 <= stopped < 300 and (run / f'checkpoints/step_{stopped:07d}/COMPLETE').exists(), err[-2000:]
-    assert 'SIGTERM received' in err and 'resume with' in err
-    r = train(run, '--resume', 'auto', *SMALL)   # the config comes back from RUN/config.yaml
+    stopped = rows(run)[-1]["step"]
+    assert 3 <= stopped < 300 and (run / f"checkpoints/step_{stopped:07d}/COMPLETE").exists(), err[-2000:]
+    assert "SIGTERM received" in err and "resume with" in err
+    r = train(run, "--resume", "auto", *SMALL)  # the config comes back from RUN/config.yaml
     assert r.returncode == 0, r.stderr[-3000:]
-    steps = [x['step'] for x in rows(run)]
+    steps = [x["step"] for x in rows(run)]
     assert steps[-1] == 300 and steps == sorted(set(steps)), steps[-5:]
-    assert f'resumed from' in r.stderr and (run / 'final/model.safetensors').exists()
+    assert "resumed from" in r.stderr and (run / "final/model.safetensors").exists()
+
 
 def test_kill_and_resume_is_bit_identical(tmp_path):
     "N steps straight == k steps, SIGKILL, resume to N: the same losses and the same final weights, bit for bit."
     from safetensors.torch import load_file
-    args = ['--max-steps', '12', 'training.log_every=1', 'training.checkpoint_every=6', 'training.eval_every=6', *SMALL]
-    a, b = tmp_path / 'straight', tmp_path / 'killed'
+
+    args = ["--max-steps", "12", "training.log_every=1", "training.checkpoint_every=6", "training.eval_every=6", *SMALL]
+    a, b = tmp_path / "straight", tmp_path / "killed"
     assert train(a, *args).returncode == 0
-    r = train(b, *args, env={'CIPHER_FAULT_KILL_STEP': '6'})
+    r = train(b, *args, env={"CIPHER_FAULT_KILL_STEP": "6"})
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    assert not (b / 'final').exists() and (b / 'checkpoints/step_0000006/COMPLETE').exists()
-    r = train(b, '--resume', 'auto', *args)
+    assert not (b / "final").exists() and (b / "checkpoints/step_0000006/COMPLETE").exists()
+    r = train(b, "--resume", "auto", *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    la, lb = [(x['step'], x.get('loss')) for x in rows(a)], [(x['step'], x.get('loss')) for x in rows(b)]
+    la, lb = [(x["step"], x.get("loss")) for x in rows(a)], [(x["step"], x.get("loss")) for x in rows(b)]
     assert la == lb
-    wa, wb = load_file(a / 'final/model.safetensors'), load_file(b / 'final/model.safetensors')
+    wa, wb = load_file(a / "final/model.safetensors"), load_file(b / "final/model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
+
 def test_nonfinite_step_is_skipped_and_the_run_continues(tmp_path):
-    run = tmp_path / 'run'
-    r = train(run, '--max-steps', '8', 'training.log_every=1', *SMALL, env={'CIPHER_FAULT_NAN_STEP': '3'})
+    run = tmp_path / "run"
+    r = train(run, "--max-steps", "8", "training.log_every=1", *SMALL, env={"CIPHER_FAULT_NAN_STEP": "3"})
     assert r.returncode == 0, r.stderr[-3000:]
-    m = [x for x in rows(run) if 'loss' in x]
-    assert m[-1]['step'] == 8 and m[-1]['skipped'] == 1
-    assert 'non-finite' in r.stderr and all(x['loss'] == x['loss'] for x in m)   # no NaN reached a logged step
+    m = [x for x in rows(run) if "loss" in x]
+    assert m[-1]["step"] == 8 and m[-1]["skipped"] == 1
+    assert "non-finite" in r.stderr and all(x["loss"] == x["loss"] for x in m)  # no NaN reached a logged step
+
 
 def test_resume_with_a_changed_lr_is_refused(tmp_path):
-    run = tmp_path / 'run'
-    assert train(run, '--max-steps', '4', 'training.checkpoint_every=2', *SMALL).returncode == 0
-    r = train(run, '--resume', 'auto', '--max-steps', '4', 'training.checkpoint_every=2', 'training.lr=0.01', *SMALL)
-    assert r.returncode != 0 and 'training.lr' in r.stderr
+    run = tmp_path / "run"
+    assert train(run, "--max-steps", "4", "training.checkpoint_every=2", *SMALL).returncode == 0
+    r = train(run, "--resume", "auto", "--max-steps", "4", "training.checkpoint_every=2", "training.lr=0.01", *SMALL)
+    assert r.returncode != 0 and "training.lr" in r.stderr
 
-@pytest.mark.parametrize('parallel', ['ddp', 'fsdp'])
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_torchrun_two_ranks_end_identical(tmp_path, parallel):
     "torchrun --nproc_per_node=2 on CPU (gloo): both ranks train and end with identical weights."
-    torchrun = shutil.which('torchrun') or str(Path(sys.executable).parent / 'torchrun')
-    r = run_cli(torchrun, '--standalone', '--nproc_per_node=2', str(ROOT / 'tests/dist_train.py'), str(tmp_path), parallel,
-                env={'CUDA_VISIBLE_DEVICES': '', 'OMP_NUM_THREADS': '1'}, timeout=600)
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    r = run_cli(
+        torchrun,
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "tests/dist_train.py"),
+        str(tmp_path),
+        parallel,
+        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
-    h = [(tmp_path / f'rank{i}.json').read_text() for i in range(2)]
+    h = [(tmp_path / f"rank{i}.json").read_text() for i in range(2)]
     assert h[0] == h[1]
     info = json.loads(h[0])
-    assert info['step'] == 6 and info['loss_last'] < info['loss_first']
+    assert info["step"] == 6 and info["loss_last"] < info["loss_first"]

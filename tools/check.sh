@@ -14,6 +14,10 @@ if [ "$before" != "$(snap)" ]; then
 fi
 python tools/readme.py --check
 
+echo "== ruff"
+ruff check .
+ruff format --check .
+
 echo "== nbdev-test"
 # one BLAS thread per notebook worker: two workers with two threads each on two cores stall each other
 OMP_NUM_THREADS=1 nbdev-test --n-workers "${NBDEV_WORKERS:-2}"
