@@ -1,4 +1,5 @@
-"cipher-train as a process: the run directory, clean stops and resume, exact resume after a kill, skipped steps, torchrun."
+"""cipher-train as a process: the run directory, clean stops and resume, exact resume after a kill, skipped steps,
+injected faults (--fault), torchrun."""
 
 import json
 import shutil
@@ -32,7 +33,7 @@ def cli():
 
 
 def rows(run):
-    return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().splitlines() if r.strip()]
 
 
 def train(out, *args, env=None, timeout=600):
@@ -40,7 +41,7 @@ def train(out, *args, env=None, timeout=600):
 
 
 def test_default_run_writes_the_run_directory(tmp_path):
-    "The default model and data (tiny-cpu on the standard library), shortened: DESIGN.md's run directory, and the loss falls."
+    "The default model and data (tiny-cpu on the standard library), shortened: the run directory, and the loss falls."
     run = tmp_path / "run"
     r = train(
         run,
@@ -115,7 +116,7 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     args = ["--max-steps", "12", "training.log_every=1", "training.checkpoint_every=6", "training.eval_every=6", *SMALL]
     a, b = tmp_path / "straight", tmp_path / "killed"
     assert train(a, *args).returncode == 0
-    r = train(b, *args, env={"CIPHER_FAULT_KILL_STEP": "6"})
+    r = train(b, *args, "--fault", "kill@6")
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert not (b / "final").exists() and (b / "checkpoints/step_0000006/COMPLETE").exists()
     r = train(b, "--resume", "auto", *args)
@@ -128,11 +129,37 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
 
 def test_nonfinite_step_is_skipped_and_the_run_continues(tmp_path):
     run = tmp_path / "run"
-    r = train(run, "--max-steps", "8", "training.log_every=1", *SMALL, env={"CIPHER_FAULT_NAN_STEP": "3"})
+    r = train(run, "--max-steps", "8", "training.log_every=1", *SMALL, "--fault", "nonfinite@3")
     assert r.returncode == 0, r.stderr[-3000:]
     m = [x for x in rows(run) if "loss" in x]
     assert m[-1]["step"] == 8 and m[-1]["skipped"] == 1
     assert "non-finite" in r.stderr and all(x["loss"] == x["loss"] for x in m)  # no NaN reached a logged step
+
+
+def test_kill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
+    "--fault kill-in-save@4: the save of step 4 dies half-written; resume auto continues from step 2."
+    run = tmp_path / "run"
+    args = ["--max-steps", "6", "training.checkpoint_every=2", "training.eval_every=100", *SMALL]
+    r = train(run, *args, "--fault", "kill-in-save@4")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert (run / "checkpoints/step_0000002/COMPLETE").exists()
+    assert not (run / "checkpoints/step_0000004/COMPLETE").exists()
+    r = train(run, "--resume", "auto", *args)
+    assert r.returncode == 0 and "resumed from" in r.stderr and "step_0000002" in r.stderr, r.stderr[-2000:]
+    assert rows(run)[-1]["step"] == 6
+
+
+def test_out_of_memory_exits_3_and_keeps_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    r = train(run, "--max-steps", "6", "training.checkpoint_every=2", *SMALL, "--fault", "oom@3")
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "out of memory" in r.stderr and "Traceback" not in r.stderr
+    assert (run / "checkpoints/step_0000002/COMPLETE").exists() and not (run / "final").exists()
+
+
+def test_a_bad_fault_spec_is_one_clear_line(tmp_path):
+    r = train(tmp_path / "run", "--max-steps", "2", *SMALL, "--fault", "explode@3")
+    assert r.returncode != 0 and "explode" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_resume_with_a_changed_lr_is_refused(tmp_path):
