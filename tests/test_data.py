@@ -127,7 +127,8 @@ def test_empty_documents_skipped_and_counted(tmp_path):
 
 
 def test_invalid_utf8_kept_and_huge_document_streamed(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "PIECE_BYTES", 1 << 16)
+    monkeypatch.setattr(D, "PIECE_BYTES", 1 << 16)  # the held-out hash reads the first piece
+    monkeypatch.setattr(L, "PIECE_BYTES", 1 << 16)  # the packer reads a long document a piece at a time
     rng = np.random.default_rng(0)
     big = rng.integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()  # 4 MB, mostly invalid UTF-8
     (tmp_path / "big.txt").write_bytes(big)
