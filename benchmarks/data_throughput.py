@@ -1,16 +1,17 @@
-"""Bytes per second of the data pipeline, side by side with seed 001's per-sample loop over the same documents, and
-how many times faster than the H100 presets consume bytes our pipeline is.
+"""Bytes per second of the data pipeline, side by side with the Spider-FLEXITOKENS training script's per-sample loop
+over the same documents, and how many times faster than the H100 presets consume bytes our pipeline is.
 
     python benchmarks/data_throughput.py [--seconds 2] [--rounds 3] [--workers 2] [--tokenizer]
 
 Every contender packs the embedded stdlib corpus (held-out fraction 0, `max_bytes` 8192) into the H100 preset's
-batches (4 x 2048) in this one process (the DataLoader row adds its worker processes). Contenders take turns for `--rounds`
-rounds of `--seconds` each (start-up excluded) and each keeps its best round, since the machine is shared and noisy. The seed loop is seed 001's `ByteLevelDataset.__iter__` re-typed: `list(text.encode())` per
-document, a Python list as the buffer, `torch.tensor` per window; it gets the documents already decoded to `str`, as
-`datasets` would hand them over. A preset's consumption is one H100 at 100% MFU (989 TFLOP/s dense bf16, an upper
-bound) divided by the training FLOPs per token of `cipher_nb.config.flops_per_token`, times bytes per token: 1 for the
-byte-level FlexiTokens preset, `--bytes-per-token` (default 4.5, typical of a 32k BPE on English web text; the
-tokenizer row also measures it here, on code) for the token-level H100 preset.
+batches (4 x 2048) in this one process (the DataLoader row adds its worker processes). Contenders take turns for
+`--rounds` rounds of `--seconds` each (start-up excluded) and each keeps its best round, since the machine is shared
+and noisy. The script loop is the Spider-FLEXITOKENS training script's `ByteLevelDataset.__iter__` re-typed:
+`list(text.encode())` per document, a Python list as the buffer, `torch.tensor` per window; it gets the documents
+already decoded to `str`, as `datasets` would hand them over. A preset's consumption is one H100 at 100% MFU
+(989 TFLOP/s dense bf16, an upper bound) divided by the training FLOPs per token of `cipher_nb.config.flops_per_token`,
+times bytes per token: 1 for the byte-level FlexiTokens preset, `--bytes-per-token` (default 4.5, typical of a 32k
+BPE on English web text; the tokenizer row also measures it here, on code) for the token-level H100 preset.
 """
 
 import argparse
@@ -20,15 +21,17 @@ from pathlib import Path
 
 import torch
 
+from cipher_nb.codecs import train_bpe
 from cipher_nb.config import flops_per_token, load_config
-from cipher_nb.data import Packer, build_loader, stdlib_docs, train_bpe
+from cipher_nb.data import stdlib_docs
+from cipher_nb.loader import Packer, mixture_loader
 
 ROOT = Path(__file__).resolve().parent.parent
 H100_BF16 = 989e12  # dense bf16 FLOP/s of an H100 SXM
 
 
-def seed_loop(texts, seq_len, max_bytes, bos=257, eos=258, pad=256):
-    "Seed 001's packing: list(text.encode()) per sample, a list buffer, torch.tensor per window; yields window bytes."
+def script_loop(texts, seq_len, max_bytes, bos=257, eos=258, pad=256):
+    "The script's packing: list(text.encode()) per sample, a list buffer, torch.tensor per window; yields window bytes."
     while True:
         buf = []
         for text in texts:
@@ -84,12 +87,12 @@ def main():
         next(counts)
         contenders.append((name, counts))  # the first step (start-up) is not timed
 
-    add("seed 001 loop (list(text.encode()))", seed_loop(texts, T, cfg.data.max_bytes))
+    add("script loop (list(text.encode()))", script_loop(texts, T, cfg.data.max_bytes))
     pk = Packer(cfg)
     add("Packer (numpy batches)", (pk.next_batch()["input_ids"].size for _ in iter(int, 1)))
     add(
-        "build_loader, in process (tensors + resume state)",
-        (b["input_ids"].numel() for b in build_loader(cfg, "train", 0, 1)),
+        "mixture_loader, in process (tensors + resume state)",
+        (b["input_ids"].numel() for b in mixture_loader(cfg, "train", 0, 1)),
     )
     if a.workers:
         wcfg = load_config(
@@ -102,8 +105,8 @@ def main():
             ],
         )
         add(
-            f"build_loader, {a.workers} DataLoader workers",
-            (b["input_ids"].numel() for b in build_loader(wcfg, "train", 0, 1)),
+            f"mixture_loader, {a.workers} DataLoader workers",
+            (b["input_ids"].numel() for b in mixture_loader(wcfg, "train", 0, 1)),
         )
     bpt = a.bytes_per_token
     if a.tokenizer:
@@ -124,10 +127,10 @@ def main():
         )
 
         def tok_bytes(c):
-            for b in build_loader(c, "train", 0, 1):
+            for b in mixture_loader(c, "train", 0, 1):
                 yield codec.count_bytes(b["input_ids"])
 
-        add("build_loader, tokenizer codec, in process", tok_bytes(tcfg))
+        add("mixture_loader, tokenizer codec, in process", tok_bytes(tcfg))
         if a.workers:
             twcfg = load_config(
                 None,
@@ -140,7 +143,7 @@ def main():
                     f"model.vocab={h100.model.vocab}",
                 ],
             )
-            add(f"build_loader, tokenizer codec, {a.workers} DataLoader workers", tok_bytes(twcfg))
+            add(f"mixture_loader, tokenizer codec, {a.workers} DataLoader workers", tok_bytes(twcfg))
         sample = b"".join(stdlib_docs()[:200])
         print(f"  (this BPE: {len(sample) / len(codec.encode(sample)):.2f} bytes per token on stdlib code)")
     best = {name: 0.0 for name, _ in contenders}
@@ -156,12 +159,11 @@ def main():
     }
     for k, v in need.items():
         print(f"{k} at 100% MFU on one H100 consumes {v / 1e6:.2f} MB/s")
-    seed = rows[0][1]
-    print("\n| contender | MB/s | x seed loop | x H100 preset | x FlexiTokens preset |\n|---|---:|---:|---:|---:|")
+    script = rows[0][1]
+    print("\n| contender | MB/s | x script loop | x H100 preset | x FlexiTokens preset |\n|---|---:|---:|---:|---:|")
     for name, r in rows:
-        print(
-            f"| {name} | {r / 1e6:.1f} | {r / seed:.1f} | {r / need['H100 preset (tokens)']:.1f} | {r / need['FlexiTokens preset (bytes)']:.1f} |"
-        )
+        x_h100, x_flexi = r / need["H100 preset (tokens)"], r / need["FlexiTokens preset (bytes)"]
+        print(f"| {name} | {r / 1e6:.1f} | {r / script:.1f} | {x_h100:.1f} | {x_flexi:.1f} |")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ __all__ = ['step_boundary', 'Phase', 'parse_phases', 'Curriculum', 'build_loader
 import math
 from dataclasses import dataclass
 
-from . import data
 from .config import Config, ConfigError
+from .data import source_specs
+from .loader import Loader, mixture_loader
 
 # %% ../nbs/03_curriculum.ipynb #a7a37716
 def step_boundary(frac: float, max_steps: int) -> int:
@@ -32,7 +33,7 @@ class Phase:
 # %% ../nbs/03_curriculum.ipynb #9d46a2d2
 def parse_phases(cfg: Config) -> list:
     "The `Phase`s of `data.phases` (or one uniform phase), validated against `data.sources`."
-    names = sorted(data.source_specs(cfg.data))
+    names = sorted(source_specs(cfg.data))
     raw = cfg.data.phases or [dict(name="all", until=1.0, mix={n: 1.0 for n in names})]
     T, out, prev = cfg.training.max_steps, [], 0.0
     for i, p in enumerate(raw):
@@ -55,7 +56,8 @@ def parse_phases(cfg: Config) -> list:
         unknown = [n for n in mix if n not in names]
         if unknown:
             raise ConfigError(
-                f"{where}.mix names unknown source(s) {', '.join(map(str, unknown))}; data.sources has: {', '.join(names)}"
+                f"{where}.mix names unknown source(s) {', '.join(map(str, unknown))}; "
+                f"data.sources has: {', '.join(names)}"
             )
         if any(not isinstance(w, (int, float)) or w < 0 for w in mix.values()):
             raise ConfigError(f"{where}.mix: weights must be numbers >= 0, got {mix}")
@@ -80,7 +82,7 @@ def parse_phases(cfg: Config) -> list:
 
 # %% ../nbs/03_curriculum.ipynb #ecb0e898
 class Curriculum:
-    "Phase, data mixture and boundary-predictor mode for each optimizer step, from `data.phases` and `data.bp_fixed_frac`."
+    "Phase, data mixture and boundary-predictor mode of each optimizer step (`data.phases`, `data.bp_fixed_frac`)."
 
     def __init__(self, cfg: Config):
         self.phases = parse_phases(cfg)
@@ -123,8 +125,6 @@ def build_loader(
     world_size: int = None,
     epochs: int = None,
     pin_memory: bool = False,
-) -> data.Loader:
-    "The data loader of `cfg` with its curriculum: each document's source is drawn from the mixture of its step's phase."
-    return data.build_loader(
-        cfg, split, rank, world_size, mix=Curriculum(cfg).mix, epochs=epochs, pin_memory=pin_memory
-    )
+) -> Loader:
+    "The data loader of `cfg` with its curriculum: each document's source is drawn from its step's phase mixture."
+    return mixture_loader(cfg, split, rank, world_size, mix=Curriculum(cfg).mix, epochs=epochs, pin_memory=pin_memory)

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+import cipher_nb.codecs as C
 import cipher_nb.data as D
+import cipher_nb.loader as L
 from cipher_nb.config import Config, ConfigError
 
 
@@ -47,8 +49,8 @@ def test_two_ranks_two_workers_cover_every_document_once(jsonl, kind):
     want = sorted(t.encode() for t in texts) if kind == "jsonl" else sorted(D.mock_docs("math,cjk"))
     got, per_reader = [], []
     for rank in (0, 1):
-        for w, batches in by_reader(D.build_loader(cfg, "train", rank, 2, epochs=1)).items():
-            docs = D.documents_in(batches)
+        for w, batches in by_reader(L.mixture_loader(cfg, "train", rank, 2, epochs=1)).items():
+            docs = L.documents_in(batches)
             got += docs
             per_reader.append(len(docs))
     assert sorted(got) == sorted(want)
@@ -64,14 +66,14 @@ def test_resume_after_k_batches_matches_uninterrupted(jsonl, tmp_path, kind):
         "mock-epochs": small_cfg(source="mock", path="latin", num_workers=0, max_bytes=40),
     }[kind]
     k, m = (11, 9) if kind != "mock-epochs" else (301, 200)  # 40-byte docs: several epochs of 'latin' in 500 batches
-    full = D.build_loader(cfg, "train", 0, 1)
+    full = L.mixture_loader(cfg, "train", 0, 1)
     it = iter(full)
     ref = [next(it) for _ in range(k + m)]
-    first = D.build_loader(cfg, "train", 0, 1)
+    first = L.mixture_loader(cfg, "train", 0, 1)
     it = iter(first)
     [next(it) for _ in range(k)]
     torch.save(first.state_dict(), tmp_path / "data.pt")
-    resumed = D.build_loader(cfg, "train", 0, 1)
+    resumed = L.mixture_loader(cfg, "train", 0, 1)
     resumed.load_state_dict(torch.load(tmp_path / "data.pt", weights_only=True))
     it = iter(resumed)
     for r in ref[k:]:
@@ -83,8 +85,8 @@ def test_resume_after_k_batches_matches_uninterrupted(jsonl, tmp_path, kind):
 
 
 def test_resume_needs_the_same_layout():
-    a = D.build_loader(small_cfg(num_workers=2), "train", 0, 1)
-    b = D.build_loader(small_cfg(num_workers=1), "train", 0, 1)
+    a = L.mixture_loader(small_cfg(num_workers=2), "train", 0, 1)
+    b = L.mixture_loader(small_cfg(num_workers=1), "train", 0, 1)
     with pytest.raises(ValueError, match="num_workers"):
         b.load_state_dict(a.state_dict())
 
@@ -94,8 +96,8 @@ def test_hub_path_on_a_local_folder_heldout_disjoint(tmp_path):
     for part in range(3):  # three files: the 'shards' strategy for 3 readers, 'examples' for 2
         (tmp_path / f"part{part}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[part::3]))
     cfg = small_cfg(source="hub", path=str(tmp_path), heldout_frac=0.1)
-    train = D.documents_in(D.build_loader(cfg, "train", 0, 1, epochs=1))
-    held = D.documents_in(D.build_loader(cfg, "heldout", 0, 1))
+    train = L.documents_in(L.mixture_loader(cfg, "train", 0, 1, epochs=1))
+    held = L.documents_in(L.mixture_loader(cfg, "heldout", 0, 1))
     assert not set(train) & set(held)
     assert sorted(train + held) == sorted(t.encode() for t in texts)
     assert 0.05 < len(held) / len(texts) < 0.15  # binomial(600, 0.1): 4 sd is 0.05
@@ -104,28 +106,29 @@ def test_hub_path_on_a_local_folder_heldout_disjoint(tmp_path):
 def test_missing_text_field_names_the_columns(jsonl):
     path, _ = jsonl
     with pytest.raises(D.DataError, match="text field 'content' not found; the columns are: text, n"):
-        next(iter(D.build_loader(small_cfg(source="files", path=str(path), text_field="content", num_workers=1))))
+        next(iter(L.mixture_loader(small_cfg(source="files", path=str(path), text_field="content", num_workers=1))))
 
 
 def test_empty_glob_and_bad_specs(tmp_path):
     with pytest.raises(FileNotFoundError, match="matches no file"):
-        D.build_loader(small_cfg(source="files", path=str(tmp_path / "*.jsonl")))
+        L.mixture_loader(small_cfg(source="files", path=str(tmp_path / "*.jsonl")))
     with pytest.raises(ConfigError, match="data.sources.x"):
-        D.build_loader(small_cfg(sources={"x": {"source": "mock", "path": "klingon"}}))
+        L.mixture_loader(small_cfg(sources={"x": {"source": "mock", "path": "klingon"}}))
 
 
 def test_empty_documents_skipped_and_counted(tmp_path):
     rows = ["a", "", "b", "", "", "c"]
     (tmp_path / "e.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
-    loader = D.build_loader(
+    loader = L.mixture_loader(
         small_cfg(source="files", path=str(tmp_path / "e.jsonl"), heldout_frac=0.0), "train", 0, 1, epochs=1
     )
-    assert D.documents_in(list(loader)) == [b"a", b"b", b"c"]
+    assert L.documents_in(list(loader)) == [b"a", b"b", b"c"]
     assert loader.stats()["empty"] == {"main": 3}
 
 
 def test_invalid_utf8_kept_and_huge_document_streamed(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "PIECE_BYTES", 1 << 16)
+    monkeypatch.setattr(D, "PIECE_BYTES", 1 << 16)  # the held-out hash reads the first piece
+    monkeypatch.setattr(L, "PIECE_BYTES", 1 << 16)  # the packer reads a long document a piece at a time
     rng = np.random.default_rng(0)
     big = rng.integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()  # 4 MB, mostly invalid UTF-8
     (tmp_path / "big.txt").write_bytes(big)
@@ -133,17 +136,17 @@ def test_invalid_utf8_kept_and_huge_document_streamed(tmp_path, monkeypatch):
     cfg = small_cfg(source="files", path=str(tmp_path / "*.txt"), heldout_frac=0.0, max_bytes=0)
     cfg.training.batch_size, cfg.training.seq_len = 4, 4096
     tracemalloc.start()
-    batches = list(D.build_loader(cfg, "train", 0, 1, epochs=1))
+    batches = list(L.mixture_loader(cfg, "train", 0, 1, epochs=1))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    docs = D.documents_in(batches)
+    docs = L.documents_in(batches)
     assert sorted(docs) == sorted([big, b"caf\xe9 \xff"])
     held_batches = sum(b["input_ids"].numel() * 8 * 3 for b in batches)  # what the test itself keeps
     assert peak - held_batches < len(big) / 4, (peak, held_batches)  # pieces of 64 kB, never the 4 MB file
 
 
 def test_tokenizer_codec_through_the_loader(tmp_path):
-    tok = D.train_bpe([d.decode() for d in D.mock_docs("latin,cyrillic")], 400, tmp_path / "tok.json")
+    tok = C.train_bpe([d.decode() for d in D.mock_docs("latin,cyrillic")], 400, tmp_path / "tok.json")
     cfg = small_cfg(
         source="mock", path="latin,cyrillic", codec="tokenizer", tokenizer=str(tmp_path / "tok.json"), heldout_frac=0.0
     )
@@ -151,10 +154,10 @@ def test_tokenizer_codec_through_the_loader(tmp_path):
     with pytest.raises(ConfigError, match="model.vocab"):
         bad = small_cfg(codec="tokenizer", tokenizer=str(tmp_path / "tok.json"))
         bad.model.vocab = 300
-        D.build_loader(bad)
-    batches = list(D.build_loader(cfg, "train", 0, 1, epochs=1))
+        L.mixture_loader(bad)
+    batches = list(L.mixture_loader(cfg, "train", 0, 1, epochs=1))
     assert max(int(b["input_ids"].max()) for b in batches) < 400
-    assert sorted(D.documents_in(batches, tok)) == sorted(D.mock_docs("latin,cyrillic"))
+    assert sorted(L.documents_in(batches, tok)) == sorted(D.mock_docs("latin,cyrillic"))
 
 
 def test_uneven_files_are_split_by_file(tmp_path):
@@ -162,6 +165,6 @@ def test_uneven_files_are_split_by_file(tmp_path):
     for part in range(3):
         (tmp_path / f"p{part}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[part::3]))
     cfg = small_cfg(source="files", path=str(tmp_path / "*.jsonl"), heldout_frac=0.0)
-    per_rank = [D.documents_in(D.build_loader(cfg, "train", r, 2, epochs=1)) for r in (0, 1)]
+    per_rank = [L.documents_in(L.mixture_loader(cfg, "train", r, 2, epochs=1)) for r in (0, 1)]
     assert sorted(per_rank[0] + per_rank[1]) == sorted(t.encode() for t in texts)
     assert sorted(len(d) for d in per_rank) == [100, 200]  # whole files: one rank reads two, the other one

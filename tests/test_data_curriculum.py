@@ -2,7 +2,7 @@
 
 import torch
 
-import cipher_nb.data as D
+import cipher_nb.codecs as C
 from cipher_nb.config import Config
 from cipher_nb.curriculum import Curriculum, build_loader
 
@@ -21,7 +21,7 @@ def test_phase_switch_lands_on_its_micro_batch_with_workers():
     switch = Curriculum(c).phases[1].start
     it = iter(build_loader(c, "train", 0, 1))
     for k in range(switch + 6):
-        text = D.ByteCodec().decode_bytes(next(it)["input_ids"])
+        text = C.ByteCodec().decode_bytes(next(it)["input_ids"])
         if k < switch:
             assert b"def " not in text, k  # no code document starts before the switch
         if k > switch:
