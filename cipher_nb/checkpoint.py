@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .core import dist_env
 from .faults import save_fault_armed, save_fault_point
 
 # %% ../nbs/09_checkpoint.ipynb #7855b965
@@ -371,7 +372,8 @@ def dist_info():
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), True
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), False
+    env = dist_env()
+    return env.rank, env.world_size, False
 
 
 def _barrier():
