@@ -22,19 +22,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cipher_nb.checkpoint import (
-    STATE,
-    Checkpointer,
-    checkpoint_meta,
-    checkpoint_name,
-    compare_state_dicts,
-    load_checkpoint,
-    restore_training_state,
-    save_checkpoint,
-    training_state,
-)
+from cipher_nb.checkpoint import STATE, checkpoint_name, load_checkpoint, save_checkpoint
+from cipher_nb.checkpointer import Checkpointer, checkpoint_meta, restore_training_state, training_state
 from cipher_nb.config import load_config, param_counts
 from cipher_nb.core import resolve_device
+from cipher_nb.export import compare_state_dicts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,8 +158,8 @@ def main():
         if any(not torch.equal(t.cpu(), saved["optimizer"]["state"][k][n]) for n, t in v.items() if torch.is_tensor(t))
     ]
     print(
-        f"\nchecked: the last background checkpoint equals the live model and optimizer ({len(live)} + {len(opt.state_dict()['state'])} entries): "
-        + ("yes" if not bad else f"NO: {bad[:5]}")
+        "\nchecked: the last background checkpoint equals the live model and optimizer "
+        f"({len(live)} + {len(opt.state_dict()['state'])} entries): " + ("yes" if not bad else f"NO: {bad[:5]}")
     )
     if not a.dir:
         shutil.rmtree(work, ignore_errors=True)

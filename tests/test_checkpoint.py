@@ -1,4 +1,5 @@
-"Checkpoint I/O as a run meets it: a save killed with SIGKILL, a truncated file, unsafe pickles, the stage and resume rules, the export."
+"""Checkpoint I/O as a run meets it: a save killed with SIGKILL, a truncated file, unsafe pickles, the stage and
+resume rules, the export."""
 
 import hashlib
 import json
@@ -15,46 +16,41 @@ from torch import nn
 
 from cipher_nb.checkpoint import (
     EXPORT_WEIGHTS,
-    FAULT_POINTS,
     STATE,
-    Checkpointer,
     CheckpointError,
     CheckpointWarning,
     ResumeError,
     StageError,
     UnsafeCheckpointError,
-    check_init_source,
-    check_resume,
-    checkpoint_meta,
-    compare_state_dicts,
-    export_model,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_exported,
-    load_weights,
     read_meta,
-    restore_training_state,
     safe_load,
     save_checkpoint,
-    training_state,
     write_marker,
 )
+from cipher_nb.checkpointer import Checkpointer, checkpoint_meta, load_weights, restore_training_state, training_state
 from cipher_nb.config import load_config
+from cipher_nb.export import compare_state_dicts, export_model
+from cipher_nb.faults import SAVE_POINTS
+from cipher_nb.stages import check_init_source, check_resume
 
 SAVE_TWO = """
 import sys, torch
-from cipher_nb.checkpoint import Checkpointer
+from cipher_nb.checkpointer import Checkpointer
+from cipher_nb.faults import arm_save_fault
 ck = Checkpointer(sys.argv[1], keep_last=3, background=sys.argv[3] == 'bg')
 ck.save(1, dict(w=torch.full((1000,), 1.0), step=1), dict(step=1)); ck.wait()
-import os; os.environ['CIPHER_CKPT_FAULT'] = sys.argv[2]
+point, action = sys.argv[2].split(':'); arm_save_fault(point, action)
 ck.save(2, dict(w=torch.full((200_000,), 2.0), step=2), dict(step=2)); ck.wait()
 print('save finished', flush=True)   # never reached: the fault pauses or kills the save
 """
 
 
 def run_until_fault(root, spec, mode="fg"):
-    "Start a process that saves step 1, then step 2 with the fault `spec`; SIGKILL it at the pause; return its exit code."
+    "Start a process that saves step 1, then step 2 with the fault `spec`; SIGKILL it at the pause; return its exit."
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen(
         [sys.executable, "-c", SAVE_TWO, str(root), spec, mode],
@@ -88,7 +84,7 @@ def assert_only_step_one(root):
         read_meta(root / "step_0000002")
 
 
-@pytest.mark.parametrize("point", FAULT_POINTS)
+@pytest.mark.parametrize("point", SAVE_POINTS)
 def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, point):
     rc = run_until_fault(tmp_path, f"{point}:pause")
     assert rc == -signal.SIGKILL
@@ -267,16 +263,16 @@ def test_export_round_trip_with_tied_weights(tmp_path):
 
 
 def test_export_round_trip_failure_is_reported(tmp_path, monkeypatch):
-    import cipher_nb.checkpoint as ck
+    import cipher_nb.export as ex
 
-    real = ck.load_exported
+    real = ex.load_exported
 
     def lossy(path):
         sd = real(path)
         sd["block.bias"] = sd["block.bias"] + 1
         return sd
 
-    monkeypatch.setattr(ck, "load_exported", lossy)
+    monkeypatch.setattr(ex, "load_exported", lossy)
     with pytest.raises(CheckpointError, match=r"round trip .*block\.bias: values differ"):
         export_model(TiedLM(), tmp_path / "final", config={}, codec={})
     assert not (tmp_path / "final").exists()

@@ -1,4 +1,5 @@
-"FSDP2 checkpoints through torch.distributed.checkpoint: two CPU processes (gloo) save a sharded toy model and load it back."
+"""FSDP2 checkpoints through torch.distributed.checkpoint: two CPU processes (gloo) save a sharded toy model and load
+it back."""
 
 import sys
 import textwrap
@@ -9,8 +10,10 @@ WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
-    from cipher_nb.checkpoint import (Checkpointer, checkpoint_meta, training_state, restore_training_state, load_weights,
-                                      latest_checkpoint, export_model, is_sharded, read_meta)
+    from cipher_nb.checkpoint import latest_checkpoint, read_meta
+    from cipher_nb.checkpointer import (Checkpointer, checkpoint_meta, training_state, restore_training_state,
+                                        load_weights, is_sharded)
+    from cipher_nb.export import export_model
     from cipher_nb.config import load_config
 
     dist.init_process_group('gloo')
