@@ -227,7 +227,9 @@ def train_step(self: Trainer) -> dict | None:
     set_lr(self.optimizer, lr_at(self.step, t), self.frozen_params())
     if self.batches is None:
         self.batches = iter(self.loader)
-    batches = [{k: v.to(self.device, non_blocking=True) for k, v in next(self.batches).items()} for _ in range(t.grad_accum)]
+    batches = [
+        {k: v.to(self.device, non_blocking=True) for k, v in next(self.batches).items()} for _ in range(t.grad_accum)
+    ]
     self.tokens += sum(b["input_ids"].numel() for b in batches) * self.env.world_size
     res = self.forward_backward(batches)
     if self.monitor is not None:
@@ -254,7 +256,10 @@ def train_step(self: Trainer) -> dict | None:
 def log_row(self: Trainer, window: list, seconds: float) -> dict:
     "The log row of the steps in `window`: their mean losses and norms, the last lr, throughput, MFU and memory."
     keys = sorted({k for r in window for k in r if k != "lr"})
-    cols = [torch.stack([torch.as_tensor(r.get(k, 0.0), dtype=torch.float32, device=self.device) for r in window]) for k in keys]
+    cols = [
+        torch.stack([torch.as_tensor(r.get(k, 0.0), dtype=torch.float32, device=self.device) for r in window])
+        for k in keys
+    ]
     means = torch.stack([c.mean() for c in cols]).tolist()
     row = {"step": self.step, "tokens": self.tokens, **dict(zip(keys, means)), "lr": window[-1]["lr"]}
     t = self.cfg.training
@@ -273,7 +278,11 @@ def progress_line(row: dict, max_steps: int) -> str:
         parts.append(f"val {row['val/loss']:.4f}")
     if "val/bpb" in row:
         parts.append(f"bpb {row['val/bpb']:.3f}")
-    parts += [f"lr {row['lr']:.2e}", f"gnorm {row.get('grad_norm', float('nan')):.2f}", f"{row['tok_per_s']:,.0f} tok/s"]
+    parts += [
+        f"lr {row['lr']:.2e}",
+        f"gnorm {row.get('grad_norm', float('nan')):.2f}",
+        f"{row['tok_per_s']:,.0f} tok/s",
+    ]
     if row.get("mfu") is not None:
         parts.append(f"mfu {100 * row['mfu']:.1f}%")
     return " | ".join(parts)
@@ -360,7 +369,9 @@ def fit(self: Trainer, progress: bool = True) -> Trainer:
     t = self.cfg.training
     self.model.train()
     self.stop.install()
-    bar = tqdm(total=t.max_steps, initial=self.step, disable=not (progress and self.is_main), dynamic_ncols=True, leave=False)
+    bar = tqdm(
+        total=t.max_steps, initial=self.step, disable=not (progress and self.is_main), dynamic_ncols=True, leave=False
+    )
     window, clock = [], time.perf_counter()
     try:
         if t.eval_at_start and self.step == 0:  # the starting point (SFT: the source checkpoint)
