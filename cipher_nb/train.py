@@ -28,10 +28,10 @@ from fastcore.script import CliError, call_parse
 from . import checkpoint as ck
 from .callbacks import Callback
 from .checkpointer import Checkpointer, checkpoint_meta, load_weights, restore_training_state, training_state
+from .codecs import build_codec
 from .config import Config, ConfigError, flops_per_token, load_config, save_config
 from .core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
 from .curriculum import Curriculum
-from .codecs import build_codec
 from .data import DataError, data_fingerprint
 from .export import export_model
 from .faults import FaultCallback, parse_faults
@@ -113,7 +113,7 @@ def close(self: RunCheckpoints):
     "Wait for a background save to finish."
     self.checkpointer.close()
 
-# %% ../nbs/11_train.ipynb #50c62674
+# %% ../nbs/11_train.ipynb #a4386816
 class TensorBoardCallback(Callback):
     "Each log row as TensorBoard scalars under RUN/tensorboard."
 
@@ -157,7 +157,7 @@ def logger_callbacks(cfg: Config, run_dir, is_main: bool = True) -> list:
             out.append(cls(cfg, run_dir))
         except ImportError:
             warnings.warn(
-                f"training.{flag} is on but {pkg} is not installed: pip install {pkg} (metrics.jsonl is written either way)"
+                f"training.{flag} is on but {pkg} is not installed: pip install {pkg} (metrics.jsonl is kept anyway)"
             )
     return out
 
