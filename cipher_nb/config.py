@@ -345,7 +345,8 @@ def _coerce(value, typ, key: str):
 # %% ../nbs/01_config.ipynb #6ff9b102
 _RENAMED = dict(moe_impl="impl", boundary="enabled")
 _MOVED = dict(
-    boundary=["boundary", "n_byte_layers"] + [f"bp_{k}" for k in ("rate", "mode", "temperature", "loss")]
+    boundary=["boundary", "n_byte_layers"]
+    + [f"bp_{k}" for k in ("rate", "mode", "temperature", "loss")]
     + [f"bp_{k}" for k in ("loss_weight", "binomial_weight", "threshold_momentum", "hinge_sigmas")],
     attention=["n_heads", "n_kv_heads", "head_dim", "rope_base", "rope_scaling", "rope_orig_ctx", "sliding_window"],
     moe=["n_routed", "n_shared", "top_k", "expert_d_ff", "n_dense_layers", "router_score", "router_renorm"]
@@ -408,7 +409,11 @@ def build_section(cls, d: dict, key: str):
         if k not in names:
             raise ConfigError(f"unknown key '{key}.{k}'{_closest(k, names, key + '.', old)}")
         typ = hints[k]
-        kw[k] = build_section(typ, {} if v is None else v, f"{key}.{k}") if is_dataclass(typ) else _coerce(v, typ, f"{key}.{k}")
+        kw[k] = (
+            build_section(typ, {} if v is None else v, f"{key}.{k}")
+            if is_dataclass(typ)
+            else _coerce(v, typ, f"{key}.{k}")
+        )
     return cls(**kw)
 
 # %% ../nbs/01_config.ipynb #2198df59
