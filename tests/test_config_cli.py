@@ -13,9 +13,10 @@ def cli():
 def test_h100_preset_prints_its_values():
     r = run_cli(cli(), "examples/configs/h100.yaml")
     assert r.returncode == 0, r.stderr
-    body = yaml.safe_load("\n".join(l for l in r.stdout.splitlines() if not l.startswith("#")))
+    body = yaml.safe_load("\n".join(line for line in r.stdout.splitlines() if not line.startswith("#")))
     m, t = body["model"], body["training"]
-    assert (m["vocab"], m["d_model"], m["n_layers"], m["n_heads"], m["n_kv_heads"], m["head_dim"]) == (
+    a, e = m["attention"], m["moe"]
+    assert (m["vocab"], m["d_model"], m["n_layers"], a["n_heads"], a["n_kv_heads"], a["head_dim"]) == (
         32768,
         512,
         12,
@@ -23,7 +24,7 @@ def test_h100_preset_prints_its_values():
         2,
         64,
     )
-    assert (m["n_routed"], m["n_shared"], m["top_k"], m["expert_d_ff"]) == (32, 2, 4, 128)
+    assert (e["n_routed"], e["n_shared"], e["top_k"], e["expert_d_ff"]) == (32, 2, 4, 128)
     assert (t["seq_len"], t["batch_size"], t["grad_accum"], t["lr"], t["min_lr"]) == (2048, 4, 12, 3e-4, 3e-5)
     assert (t["warmup_steps"], t["max_steps"], t["weight_decay"], t["grad_clip"], t["precision"]) == (
         200,
@@ -37,9 +38,25 @@ def test_h100_preset_prints_its_values():
 
 
 def test_bad_override_exits_nonzero_naming_the_keys():
-    r = run_cli(cli(), "examples/configs/h100.yaml", "model.top_k=40")
+    r = run_cli(cli(), "examples/configs/h100.yaml", "model.moe.top_k=40")
     assert r.returncode != 0
-    assert "top_k" in r.stderr and "n_routed" in r.stderr
+    assert "model.moe.top_k" in r.stderr and "model.moe.n_routed" in r.stderr
+
+
+def test_old_flat_override_still_applies():
+    r = run_cli(cli(), "examples/configs/h100.yaml", "model.top_k=40")
+    assert r.returncode != 0 and "model.moe.top_k (40)" in r.stderr
+    r = run_cli(cli(), "examples/configs/h100.yaml", "model.top_k=2", "model.moe_impl=bmm")
+    assert r.returncode == 0, r.stderr
+    m = yaml.safe_load("\n".join(line for line in r.stdout.splitlines() if not line.startswith("#")))["model"]
+    assert (m["moe"]["top_k"], m["moe"]["impl"]) == (2, "bmm")
+
+
+def test_flat_key_and_nested_twin_is_an_error(tmp_path):
+    p = tmp_path / "both.yaml"
+    p.write_text("model:\n  top_k: 2\n  moe:\n    top_k: 4\n")
+    r = run_cli(cli(), str(p))
+    assert r.returncode != 0 and "model.top_k and model.moe.top_k" in r.stderr
 
 
 def test_unknown_key_suggests_the_closest():
@@ -52,6 +69,33 @@ def test_every_preset_loads():
 
     for p in sorted((ROOT / "examples/configs").glob("*.yaml")):
         load_config(p)
+
+
+def test_presets_are_nested():
+    "The presets use the nested model sections, not the old flat keys (which still load, for old files)."
+    from cipher_nb.config import LEGACY_KEYS, upgrade_keys
+
+    for p in sorted((ROOT / "examples/configs").glob("*.yaml")):
+        d = yaml.safe_load(p.read_text()) or {}
+        assert upgrade_keys(d) == d, (
+            f"{p.name} uses old flat keys: {sorted(set(d.get('model', {})) & {k.split('.')[1] for k in LEGACY_KEYS})}"
+        )
+
+
+def test_old_flat_preset_loads_as_its_nested_form(tmp_path):
+    from cipher_nb.config import load_config
+
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(
+        "model:\n  n_heads: 8\n  n_kv_heads: 2\n  top_k: 4\n  n_shared: 2\n  moe_impl: bmm\n"
+        "  boundary: false\n  bp_rate: 0.25\n  n_loops: 1\n"
+    )
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(
+        "model:\n  attention: {n_heads: 8, n_kv_heads: 2}\n  moe: {top_k: 4, n_shared: 2, impl: bmm}\n"
+        "  boundary: {enabled: false, rate: 0.25}\n  recurrence: {n_loops: 1}\n"
+    )
+    assert load_config(flat) == load_config(nested)
 
 
 def test_tiny_cpu_is_the_default():
