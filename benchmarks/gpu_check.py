@@ -32,16 +32,16 @@ SMOKE = [
     "model.vocab=272",
     "model.d_model=64",
     "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.head_dim=16",
-    "model.n_routed=4",
-    "model.top_k=2",
-    "model.n_shared=1",
-    "model.expert_d_ff=32",
+    "model.attention.n_heads=4",
+    "model.attention.n_kv_heads=2",
+    "model.attention.head_dim=16",
+    "model.moe.n_routed=4",
+    "model.moe.top_k=2",
+    "model.moe.n_shared=1",
+    "model.moe.expert_d_ff=32",
     "training.seq_len=64",
     "training.batch_size=2",
-    "model.moe_impl=grouped",
+    "model.moe.impl=grouped",
 ]  # the expert path the H100 takes (auto picks bmm on a CPU)
 
 
@@ -182,7 +182,7 @@ def main(
     print(
         f"preset: {path.name}{' (smoke shapes)' if smoke else ''}: {pc['total'] / 1e6:.1f}M params, {pc['active'] / 1e6:.1f}M active, "
         f"batch {cfg.training.batch_size} x {cfg.training.seq_len} tokens a step, {fpt / 1e9:.2f} GFLOP/token, "
-        f"moe_impl {cfg.model.moe_impl}, optimizer {cfg.optim.name}, {warmup} warmup + {steps} timed steps{', compiled' if compile else ''}"
+        f"moe_impl {cfg.model.moe.impl}, optimizer {cfg.optim.name}, {warmup} warmup + {steps} timed steps{', compiled' if compile else ''}"
     )
     rows = []
     for spec in [m.strip() for m in modes.split(",") if m.strip()]:

@@ -77,7 +77,7 @@ def check_same_function(device, dtype):
     "The HF-style baseline and every path of ours agree on a small case (so the race is between equals)."
     torch.manual_seed(0)
     cfg = ModelConfig(
-        d_model=64, n_routed=8, top_k=2, expert_d_ff=32, n_shared=1, init_std=0.1, router_score="softmax"
+        d_model=64, init_std=0.1, moe=dict(n_routed=8, top_k=2, expert_d_ff=32, n_shared=1, router_score="softmax")
     )  # Mixtral's
     moe = MoE(cfg).to(device)
     hf = HFStyleMoE(64, 8, 2, 32, 1).to(device)
@@ -87,7 +87,7 @@ def check_same_function(device, dtype):
     ref = hf(x).float()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for impl in MOE_IMPLS:
-        moe.cfg = dataclasses.replace(cfg, moe_impl=impl)
+        moe.cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl=impl))
         err = ((moe(x)[0].float() - ref).abs().max() / ref.abs().max()).item()
         assert err < tol, f"ours[{impl}] differs from the HF-style block: relative error {err:.1e}"
 
@@ -96,12 +96,12 @@ def contenders(shape, device, dtype, paths, compile=False):
     "name -> (module, forward returning the tensor the loss is taken on)."
     B, T, d, E, k, h, s = shape
     cfg = ModelConfig(
-        d_model=d, n_routed=E, top_k=k, expert_d_ff=h, n_shared=s, router_score="softmax"
+        d_model=d, moe=dict(n_routed=E, top_k=k, expert_d_ff=h, n_shared=s, router_score="softmax")
     )  # as the HF-style block
     auto = resolve_moe_impl("auto", device, dtype, d, h)
     out = {}
     for impl in ["auto"] + list(MOE_IMPLS) if paths else ["auto"]:
-        m = MoE(dataclasses.replace(cfg, moe_impl=impl)).to(device, dtype)
+        m = MoE(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl=impl))).to(device, dtype)
         out[f"ours[{auto}]" if impl == "auto" else f"ours[{impl}] forced"] = (m, lambda x, m=m: _with_aux(m(x)))
     hf = HFStyleMoE(d, E, k, h, s).to(device, dtype)
     for p in hf.parameters():

@@ -7,9 +7,9 @@ through cipher_nb's own loop on the embedded standard-library corpus.
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
 
 Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `--config`, plus any `a.b=c` overrides):
-  dense      a GPT with the MoE's active path as its FFN: model.n_routed=0, so d_ff = (top_k + n_shared) * expert_d_ff
+  dense      a GPT with the MoE's active path as its FFN: model.moe.n_routed=0, so d_ff = (top_k + n_shared) * expert_d_ff
   moe        the config itself
-  moe+bp     the MoE with the byte-level boundary predictor (model.boundary=true)
+  moe+bp     the MoE with the byte-level boundary predictor (model.boundary.enabled=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
 
 Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up,
@@ -43,15 +43,20 @@ def contender_overrides(name: str, cfg) -> list:
     "The `a.b=c` overrides that turn the base config into contender `name`."
     m = cfg.model
     if name == "dense":
-        return ["model.n_routed=0"]
+        return ["model.moe.n_routed=0"]
     if name == "moe":
         return []
     if name == "moe+bp":
-        return ["model.boundary=true"]
+        return ["model.boundary.enabled=true"]
     if name == "recurrent":
         if m.n_layers < 3:
             raise SystemExit(f"the recurrent contender needs model.n_layers >= 3 (got {m.n_layers})")
-        return ["model.n_prelude=1", f"model.n_core={m.n_layers - 2}", "model.n_coda=1", "model.n_loops=2"]
+        return [
+            "model.recurrence.n_prelude=1",
+            f"model.recurrence.n_core={m.n_layers - 2}",
+            "model.recurrence.n_coda=1",
+            "model.recurrence.n_loops=2",
+        ]
     raise SystemExit(f"unknown contender '{name}': choose from {', '.join(CONTENDERS)}")
 
 

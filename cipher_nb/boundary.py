@@ -114,7 +114,7 @@ class BoundaryPredictor(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.d_model
-        self.cfg, self.mode = cfg, check_bp_mode(cfg.bp_mode)
+        self.cfg, self.mode = cfg, check_bp_mode(cfg.boundary.mode)
         self.mlp = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
         self.null = nn.Parameter(torch.zeros(d))
         for lin in (self.mlp[0], self.mlp[2]):
@@ -128,12 +128,12 @@ class BoundaryPredictor(nn.Module):
         self.mode = check_bp_mode(mode)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, rate={self.cfg.bp_rate:.4f}"
+        return f"mode={self.mode!r}, rate={self.cfg.boundary.rate:.4f}"
 
 # %% ../nbs/04_boundary.ipynb #150633e6
 def _init_threshold(cfg: ModelConfig, training: bool) -> float:
     # with logistic noise P(z + noise > thr) = sigmoid(z - thr): for z ~ 0 this is bp_rate at thr = logit(1 - bp_rate)
-    return math.log((1 - cfg.bp_rate) / cfg.bp_rate) if training else 0.0
+    return math.log((1 - cfg.boundary.rate) / cfg.boundary.rate) if training else 0.0
 
 
 @torch.no_grad()
@@ -147,7 +147,7 @@ def score_quantile(z: torch.Tensor, rate: float) -> torch.Tensor:
 @patch
 def threshold(self: BoundaryPredictor, training: bool) -> torch.Tensor:
     "The causal_fixed threshold from past batches only (0-d tensor)."
-    m, i = self.cfg.bp_threshold_momentum, 0 if training else 1
+    m, i = self.cfg.boundary.threshold_momentum, 0 if training else 1
     debiased = self.ema[i] / (1 - m ** self.n_updates.float()).clamp_min(1e-12)
     return torch.where(self.n_updates > 0, debiased, torch.full_like(debiased, _init_threshold(self.cfg, training)))
 
@@ -156,11 +156,11 @@ def threshold(self: BoundaryPredictor, training: bool) -> torch.Tensor:
 @torch.no_grad()
 def track_quantile(self: BoundaryPredictor, noisy: torch.Tensor, clean: torch.Tensor):
     "Fold this batch's score quantiles into the EMAs (they serve the next batch)."
-    q = torch.stack([score_quantile(noisy, self.cfg.bp_rate), score_quantile(clean, self.cfg.bp_rate)])
+    q = torch.stack([score_quantile(noisy, self.cfg.boundary.rate), score_quantile(clean, self.cfg.boundary.rate)])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(q)
         q /= torch.distributed.get_world_size()
-    m = self.cfg.bp_threshold_momentum
+    m = self.cfg.boundary.threshold_momentum
     self.ema.mul_(m).add_((1 - m) * q)
     self.n_updates += 1
 
@@ -182,10 +182,10 @@ def forward(
     elif mode == "causal_fixed":
         thr = self.threshold(self.training)
     else:  # topk: the k-th largest score of each sequence, which depends on every byte of it
-        k = max(1, int(z.shape[1] * self.cfg.bp_rate))
+        k = max(1, int(z.shape[1] * self.cfg.boundary.rate))
         thr = z.detach().topk(k, dim=1).values[:, -1:]  # [B, 1]
     hard = (z >= thr) if mode == "topk" else (z > thr)
-    soft = torch.sigmoid((z - thr) / self.cfg.bp_temperature)
+    soft = torch.sigmoid((z - thr) / self.cfg.boundary.temperature)
     if self.training:
         self.track_quantile(z, logits)  # in every mode, so causal_fixed is ready whenever it is asked for
     return segments_from_hard(straight_through(hard.float(), soft), logits, doc_ids, mode)
@@ -237,15 +237,15 @@ def binomial_nll(k: torch.Tensor, n: int, p: float) -> torch.Tensor:
 def bp_loss(seg: Segments, cfg: ModelConfig) -> torch.Tensor:
     "The boundary predictor's auxiliary loss, already weighted (`bce_binomial` or FlexiTokens' `hinge`)."
     B, T = seg.hard.shape
-    p = cfg.bp_rate
-    if cfg.bp_loss == "hinge":
-        bound = p + cfg.bp_hinge_sigmas * math.sqrt(p * (1 - p) / T)
-        return cfg.bp_loss_weight * F.relu(seg.hard.mean(1) - bound).mean()
-    if cfg.bp_loss != "bce_binomial":
-        raise ValueError(f"model.bp_loss {cfg.bp_loss!r} is unknown: use 'bce_binomial' or 'hinge'")
+    p = cfg.boundary.rate
+    if cfg.boundary.loss == "hinge":
+        bound = p + cfg.boundary.hinge_sigmas * math.sqrt(p * (1 - p) / T)
+        return cfg.boundary.loss_weight * F.relu(seg.hard.mean(1) - bound).mean()
+    if cfg.boundary.loss != "bce_binomial":
+        raise ValueError(f"model.boundary.loss {cfg.boundary.loss!r} is unknown: use 'bce_binomial' or 'hinge'")
     bce = F.binary_cross_entropy_with_logits(seg.logits, torch.full_like(seg.logits, p))
     prior = (binomial_nll(seg.hard.sum(1), T, p) / T).mean()
-    return cfg.bp_loss_weight * (bce + cfg.bp_binomial_weight * prior)
+    return cfg.boundary.loss_weight * (bce + cfg.boundary.binomial_weight * prior)
 
 # %% ../nbs/04_boundary.ipynb #26ce9498
 @torch.no_grad()

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import boundary as bd
-from .config import ModelConfig, flops_per_token, param_counts
+from .config import ModelConfig, flops_per_token, model_config, param_counts
 from .moe import MoE, SwiGLU
 
 # %% ../nbs/06_model.ipynb #03b0c918
@@ -76,7 +76,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.attention.n_heads, cfg.attention.n_kv_heads, cfg.attention.head_dim
         self.wq = nn.Linear(cfg.d_model, self.nh * self.hd, bias=False)
         self.wk = nn.Linear(cfg.d_model, self.nkv * self.hd, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.nkv * self.hd, bias=False)
@@ -202,17 +202,17 @@ class CipherModel(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
         self.layers = nn.ModuleList(
-            [Block(cfg, moe=cfg.n_routed > 0 and i >= cfg.n_dense_layers) for i in range(cfg.n_layers)]
+            [Block(cfg, moe=cfg.moe.n_routed > 0 and i >= cfg.moe.n_dense_layers) for i in range(cfg.n_layers)]
         )
-        if cfg.recurrent:
+        if cfg.recurrence.enabled:
             self.inject = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
-        if cfg.boundary:
-            self.byte_in = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.n_byte_layers)])
+        if cfg.boundary.enabled:
+            self.byte_in = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.boundary.n_byte_layers)])
             self.boundary = bd.BoundaryPredictor(cfg)
-            self.byte_out = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.n_byte_layers)])
+            self.byte_out = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.boundary.n_byte_layers)])
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-        inv, self.rope_scale = rope_frequencies(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, cfg.rope_orig_ctx)
+        inv, self.rope_scale = rope_frequencies(cfg.attention.head_dim, cfg.attention.rope_base, cfg.attention.rope_scaling, cfg.attention.rope_orig_ctx)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.apply(self._init)
         for n, p in self.named_parameters():  # GPT-2: every projection into the residual stream scaled down with depth
@@ -246,9 +246,9 @@ def _run(blocks, x, cos, sin, mask, aux: dict, acc: LayerStats, offset: int):
 def _loop_count(cfg: ModelConfig, training: bool, n_loops) -> int:
     if n_loops is not None:
         return int(n_loops)
-    if training and cfg.random_loops:  # 1 + Poisson(n_loops - 1): mean n_loops, capped at twice that
-        return int(min(1 + torch.poisson(torch.tensor(float(cfg.n_loops - 1))).item(), 2 * cfg.n_loops))
-    return cfg.n_loops
+    if training and cfg.recurrence.random_loops:  # 1 + Poisson(n_loops - 1): mean n_loops, capped at twice that
+        return int(min(1 + torch.poisson(torch.tensor(float(cfg.recurrence.n_loops - 1))).item(), 2 * cfg.recurrence.n_loops))
+    return cfg.recurrence.n_loops
 
 
 def _loop_stats(states: list, entropies: list) -> dict:
@@ -271,12 +271,12 @@ def _loop_stats(states: list, entropies: list) -> dict:
 def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats, n_loops=None):
     "The main blocks over tokens (or segments): plain, or prelude -> core x n_loops -> coda. Returns x and loop stats."
     cfg = self.cfg
-    if not cfg.recurrent:
+    if not cfg.recurrence.enabled:
         return _run(self.layers, x, cos, sin, mask, aux, acc, 0)[0], {}
-    p, c = cfg.n_prelude, cfg.n_core
+    p, c = cfg.recurrence.n_prelude, cfg.recurrence.n_core
     e, _ = _run(self.layers[:p], x, cos, sin, mask, aux, acc, 0)
     loops = _loop_count(cfg, self.training, n_loops)
-    keep = loops if cfg.backprop_loops <= 0 else min(cfg.backprop_loops, loops)
+    keep = loops if cfg.recurrence.backprop_loops <= 0 else min(cfg.recurrence.backprop_loops, loops)
     state, states, entropies = torch.zeros_like(e), [], []
     for k in range(loops):
         with torch.set_grad_enabled(torch.is_grad_enabled() and k >= loops - keep):  # truncated backprop
@@ -312,8 +312,8 @@ def forward(
     aux, acc = {}, LayerStats()
     x = self.embed(input_ids)
     cos, sin = rope_tables(_positions(B, T, position_ids, x.device), self.inv_freq, self.rope_scale)
-    mask = attention_mask(T, doc_ids, cfg.sliding_window, device=x.device)
-    if not cfg.boundary:
+    mask = attention_mask(T, doc_ids, cfg.attention.sliding_window, device=x.device)
+    if not cfg.boundary.enabled:
         x, stats = self.main_stack(x, cos, sin, mask, aux, acc, n_loops)
     else:
         x, _ = _run(self.byte_in, x, cos, sin, mask, aux, acc, 0)
@@ -321,7 +321,7 @@ def forward(
         seg_h, seg_doc, seg_valid = bd.downsample(x, seg)
         S = seg_h.shape[1]
         scos, ssin = rope_tables(torch.arange(S, device=x.device)[None].expand(B, S), self.inv_freq, self.rope_scale)
-        smask = attention_mask(S, seg_doc, cfg.sliding_window, valid=seg_valid)
+        smask = attention_mask(S, seg_doc, cfg.attention.sliding_window, valid=seg_valid)
         seg_out, stats = self.main_stack(seg_h, scos, ssin, smask, aux, acc, n_loops)
         x = x + bd.upsample(seg_out, seg, self.boundary.null)
         x, _ = _run(self.byte_out, x, cos, sin, mask, aux, acc, 0)

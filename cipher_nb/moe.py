@@ -38,7 +38,7 @@ class SwiGLU(nn.Module):
 def route(logits, top_k: int, score: str = "softmax", renorm: bool = True, scale: float = 1.0, bias=None):
     "Scores [N,E], chosen experts [N,k] and their gates [N,k] from fp32 router logits; `bias` changes only the choice."
     if score not in ("softmax", "sigmoid"):
-        raise ValueError(f"router score '{score}' unknown: use model.router_score = 'softmax' or 'sigmoid'")
+        raise ValueError(f"router score '{score}' unknown: use model.moe.router_score = 'softmax' or 'sigmoid'")
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     choice = scores if bias is None else scores + bias
     idx = choice.topk(top_k, dim=-1).indices  # [N, k]
@@ -210,7 +210,7 @@ class _DenseGrad(torch.autograd.Function):
 def grouped_mm(a, b, offs):
     "`a` [rows, K] block by block times `b` [E, K, M] (offs [E] int32 block ends); any upstream gradient works."
     if _GROUPED_MM is None:
-        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm: set model.moe_impl to 'bmm' or 'auto'")
+        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm: set model.moe.impl to 'bmm' or 'auto'")
     return _DenseGrad.apply(_GROUPED_MM(a, b, offs=offs))
 
 # %% ../nbs/05_moe.ipynb #f7bd337a
@@ -259,7 +259,7 @@ class RoutedExperts(nn.Module):
             p = dispatch_plan(idx, E, capacity=cap, counts=counts)
             mm = lambda a, w: torch.bmm(a.view(E, cap, -1), w.mT).flatten(0, 1)
         else:
-            raise ValueError(f"MoE path '{impl}' unknown: use model.moe_impl = 'auto', 'grouped', 'bmm' or 'loop'")
+            raise ValueError(f"MoE path '{impl}' unknown: use model.moe.impl = 'auto', 'grouped', 'bmm' or 'loop'")
         by_gather = x.device.type != "cpu"
         g = _RowGates.apply(gates.flatten(), p)[:, None]  # [rows, 1], 0 on padding rows
         xs = _Dispatch.apply(x, p, by_gather)  # [rows, d]
@@ -283,19 +283,19 @@ def resolve_moe_impl(impl: str, device, dtype=torch.float32, d_model: int = 8, h
         cpu = device.type == "cpu" and dtype in GROUPED_DTYPES
         return "grouped" if (cpu or hopper_bf16) and _GROUPED_MM is not None and aligned else "bmm"
     if impl not in MOE_IMPLS:
-        raise ValueError(f"model.moe_impl = {impl!r} unknown: use 'auto', {', '.join(map(repr, MOE_IMPLS))}")
+        raise ValueError(f"model.moe.impl = {impl!r} unknown: use 'auto', {', '.join(map(repr, MOE_IMPLS))}")
     if impl == "grouped":
         if _GROUPED_MM is None:
             raise ValueError(
-                f"model.moe_impl = 'grouped' needs torch._grouped_mm, absent in torch {torch.__version__}: use 'bmm'"
+                f"model.moe.impl = 'grouped' needs torch._grouped_mm, absent in torch {torch.__version__}: use 'bmm'"
             )
         if not aligned:
             raise ValueError(
-                f"model.moe_impl = 'grouped' needs model.d_model ({d_model}) and model.expert_d_ff ({hidden}) divisible by 8: use 'bmm' or change them"
+                f"model.moe.impl = 'grouped' needs model.d_model ({d_model}) and model.moe.expert_d_ff ({hidden}) divisible by 8: use 'bmm' or change them"
             )
         if dtype not in GROUPED_DTYPES:
             raise ValueError(
-                f"model.moe_impl = 'grouped' multiplies in float32, bfloat16 or float16, not {dtype}: use 'bmm' or 'auto'"
+                f"model.moe.impl = 'grouped' multiplies in float32, bfloat16 or float16, not {dtype}: use 'bmm' or 'auto'"
             )
     return impl
 
@@ -311,15 +311,15 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.n_routed < 1 or not 1 <= cfg.top_k <= cfg.n_routed:
+        if cfg.moe.n_routed < 1 or not 1 <= cfg.moe.top_k <= cfg.moe.n_routed:
             raise ValueError(
-                f"MoE needs model.n_routed >= 1 and 1 <= model.top_k <= model.n_routed, got {cfg.n_routed} and {cfg.top_k}"
+                f"MoE needs model.moe.n_routed >= 1 and 1 <= model.moe.top_k <= model.moe.n_routed, got {cfg.moe.n_routed} and {cfg.moe.top_k}"
             )
         self.cfg = cfg
-        E, d, h = cfg.n_routed, cfg.d_model, cfg.expert_d_ff
+        E, d, h = cfg.moe.n_routed, cfg.d_model, cfg.moe.expert_d_ff
         self.router = nn.Linear(d, E, bias=False)
         self.experts = RoutedExperts(E, d, h)
-        self.shared = SwiGLU(d, cfg.n_shared * h) if cfg.n_shared > 0 else None
+        self.shared = SwiGLU(d, cfg.moe.n_shared * h) if cfg.moe.n_shared > 0 else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.pending_load = None  # [E] int64 counts since the last bias update (not a buffer: see above)
         self.reset_parameters()
@@ -344,16 +344,16 @@ def forward(self: MoE, x):
         logits = F.linear(xf.float(), self.router.weight.float())  # [N, E] fp32
     scores, idx, gates = route(
         logits,
-        c.top_k,
-        c.router_score,
-        c.router_renorm,
-        c.route_scale,
-        self.expert_bias.float() if c.bias_balance else None,
+        c.moe.top_k,
+        c.moe.router_score,
+        c.moe.router_renorm,
+        c.moe.route_scale,
+        self.expert_bias.float() if c.moe.bias_balance else None,
     )
-    counts = expert_counts(idx, c.n_routed)  # [E]
+    counts = expert_counts(idx, c.moe.n_routed)  # [E]
     if self.training and not _in_backward():
         self._add_load(counts)
-    impl = resolve_moe_impl(c.moe_impl, x.device, compute_dtype(xf), c.d_model, c.expert_d_ff)
+    impl = resolve_moe_impl(c.moe.impl, x.device, compute_dtype(xf), c.d_model, c.moe.expert_d_ff)
     y = self.experts(xf, idx, gates, impl, counts)
     if self.shared is not None:
         y = y + self.shared(xf)
@@ -372,12 +372,12 @@ def _add_load(self: MoE, counts):
 def _aux(self: MoE, lse, scores, idx) -> dict:
     "The weighted auxiliary losses whose weight is positive."
     c, aux = self.cfg, {}
-    if c.z_loss_weight > 0:
-        aux["z"] = c.z_loss_weight * lse.square().mean()
-    if c.balance_loss_weight > 0:
-        aux["balance"] = c.balance_loss_weight * balance_loss(router_probs(scores, c.router_score), idx)
-    if c.n_pop_a > 0 and c.ortho_weight > 0:
-        aux["ortho"] = c.ortho_weight * ortho_loss(self.router.weight, c.n_pop_a)
+    if c.moe.z_loss_weight > 0:
+        aux["z"] = c.moe.z_loss_weight * lse.square().mean()
+    if c.moe.balance_loss_weight > 0:
+        aux["balance"] = c.moe.balance_loss_weight * balance_loss(router_probs(scores, c.moe.router_score), idx)
+    if c.moe.n_pop_a > 0 and c.moe.ortho_weight > 0:
+        aux["ortho"] = c.moe.ortho_weight * ortho_loss(self.router.weight, c.moe.n_pop_a)
     return aux
 
 
@@ -386,10 +386,10 @@ def _aux(self: MoE, lse, scores, idx) -> dict:
 def _stats(self: MoE, logits, lse, scores, idx, gates, counts) -> dict:
     "Detached statistics for the monitor (no host sync)."
     c = self.cfg
-    p = router_probs(scores, c.router_score)
+    p = router_probs(scores, c.moe.router_score)
     s = dict(expert_counts=counts.float(), router_entropy=-torch.xlogy(p, p).sum(-1).mean(), router_lse=lse.mean())
-    if c.n_pop_a > 0:
-        s["cross_pop_overlap"] = cross_pop_overlap(gates.float(), idx, c.n_pop_a)
+    if c.moe.n_pop_a > 0:
+        s["cross_pop_overlap"] = cross_pop_overlap(gates.float(), idx, c.moe.n_pop_a)
     return s
 
 # %% ../nbs/05_moe.ipynb #b9bd401f
@@ -405,10 +405,10 @@ def take_load(self: MoE):
 @torch.no_grad()
 def apply_load(self: MoE, load):
     "One DeepSeek-V3 step: `bias += gamma * sign(mean - load)`, mean-centred; nothing when bias balancing is off."
-    if not self.cfg.bias_balance:
+    if not self.cfg.moe.bias_balance:
         return
     load = load.to(self.expert_bias.device, torch.float32)
-    step = self.cfg.bias_gamma * torch.sign(load.mean() - load)
+    step = self.cfg.moe.bias_gamma * torch.sign(load.mean() - load)
     self.expert_bias += step - step.mean()
 
 

@@ -267,7 +267,7 @@ class RecurrentMonitor:
                     step,
                     f"the state norm after loop {len(norms)} is {norms[-1] / norms[0]:.1f}x loop 1's ({norms[-1]:.3g} vs "
                     f"{norms[0]:.3g}; limit monitor.drift_ratio = {m.drift_ratio})",
-                    "lower model.n_loops or training.lr, backpropagate through fewer loops (model.backprop_loops), "
+                    "lower model.recurrence.n_loops or training.lr, backpropagate through fewer loops (model.recurrence.backprop_loops), "
                     "check the core's output norm",
                 )
             )
@@ -279,7 +279,7 @@ class RecurrentMonitor:
                     "routing collapse in the loops",
                     step,
                     f"routing entropy {min(ent):.3f} at loop {k} is under monitor.min_entropy = {m.min_entropy}",
-                    "raise model.balance_loss_weight or model.bias_gamma, check the router init (model.init_std)",
+                    "raise model.moe.balance_loss_weight or model.moe.bias_gamma, check the router init (model.init_std)",
                 )
             )
         corr = _series(row, "loop/token_corr")
@@ -290,7 +290,7 @@ class RecurrentMonitor:
                     "token-state collapse",
                     step,
                     f"token states correlate at {max(corr):.3f} after loop {k} (limit monitor.max_token_corr = {m.max_token_corr})",
-                    "lower model.n_loops, check that the input injection reaches every loop, lower training.lr",
+                    "lower model.recurrence.n_loops, check that the input injection reaches every loop, lower training.lr",
                 )
             )
         return out
@@ -316,7 +316,7 @@ def nonfinite_loss(row: dict, m: MonitorConfig):
         "non-finite loss",
         row.get("step"),
         ", ".join(f"{k} = {row[k]}" for k in bad),
-        "lower training.lr, raise model.z_loss_weight, check the data of these steps",
+        "lower training.lr, raise model.moe.z_loss_weight, check the data of these steps",
     )
 
 
@@ -334,7 +334,7 @@ def expert_collapse(row: dict, m: MonitorConfig):
         row.get("step"),
         ", ".join(f"{k.split('/')[1].split('_')[0]}: one expert gets {v:.0%} of tokens" for k, v in hot.items())
         + f" (limit monitor.collapse_frac = {m.collapse_frac})",
-        "raise model.balance_loss_weight or model.bias_gamma (with model.bias_balance), check the router init (model.init_std)",
+        "raise model.moe.balance_loss_weight or model.moe.bias_gamma (with model.moe.bias_balance), check the router init (model.init_std)",
     )
 
 
@@ -376,8 +376,8 @@ def boundary_rate_off(row: dict, m: MonitorConfig, target):
     return Threat(
         "boundary rate off target",
         row.get("step"),
-        f"bp/rate {r:.3f} vs model.bp_rate {target:.3f} (tolerance monitor.bp_rate_tol = {m.bp_rate_tol})",
-        "raise model.bp_loss_weight or model.bp_binomial_weight, or keep the fixed-rate phase longer (data.bp_fixed_frac)",
+        f"bp/rate {r:.3f} vs model.boundary.rate {target:.3f} (tolerance monitor.bp_rate_tol = {m.bp_rate_tol})",
+        "raise model.boundary.loss_weight or model.boundary.binomial_weight, or keep the fixed-rate phase longer (data.bp_fixed_frac)",
     )
 
 
@@ -448,7 +448,7 @@ class MonitorCallback:
 
     def __init__(self, cfg: Config, warn: bool = True):
         self.cfg, self.warn = cfg, warn
-        self.threats = ThreatMatrix(cfg.monitor, cfg.model.bp_rate if cfg.model.boundary else None)
+        self.threats = ThreatMatrix(cfg.monitor, cfg.model.boundary.rate if cfg.model.boundary.enabled else None)
         self.groups = list(cfg.optim.clip_groups)
         self.warnings = []  # every Threat issued, in order
         self._active = {"log": set(), "eval": set()}  # threat names seen at the last row of each kind
@@ -462,7 +462,7 @@ class MonitorCallback:
         if not getattr(trainer, "is_main", True):
             return
         stats = getattr(getattr(trainer, "last_out", None), "stats", None) or {}
-        for k, v in collect_metrics({**stats, **self._norms}, self.cfg.model.top_k).items():
+        for k, v in collect_metrics({**stats, **self._norms}, self.cfg.model.moe.top_k).items():
             metrics.setdefault(k, v)
         self._norms = {}
         if "mem_gb" not in metrics:
@@ -593,7 +593,7 @@ def gate_overlap(rows: list, m: MonitorConfig, populations=None) -> GateLine:
     if populations is None:
         populations = bool(pts)
     if not populations:
-        return GateLine(name, None, "populations off (model.n_pop_a = 0)")
+        return GateLine(name, None, "populations off (model.moe.n_pop_a = 0)")
     if not pts:
         return GateLine(name, False, "populations on, but no router/cross_pop_overlap logged")
     tail = _tail_mean(pts)
@@ -695,7 +695,7 @@ def cipher_gate(
         cfg = load_config(cfg_path) if cfg_path.is_file() else Config()
     except ConfigError as e:
         raise CliError(f"{cfg_path}: {e}")
-    lines = gate(rows, cfg.monitor, populations=cfg.model.n_pop_a > 0 if cfg_path.is_file() else None)
+    lines = gate(rows, cfg.monitor, populations=cfg.model.moe.n_pop_a > 0 if cfg_path.is_file() else None)
     src = "config.yaml" if cfg_path.is_file() else "defaults (no config.yaml)"
     print(f"verification gate for {run}: {len(rows)} rows, thresholds from the {src}")
     print(format_gate(lines))

@@ -536,7 +536,7 @@ def convert_model(
                 model,
                 report,
                 "the probe step ran no grouped matmul: the MoE multiplied its experts another way "
-                "(bmm or a loop, see model.moe_impl), which the low-precision wrapper leaves in high precision",
+                "(bmm or a loop, see model.moe.impl), which the low-precision wrapper leaves in high precision",
             )
     return report
 

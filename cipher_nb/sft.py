@@ -627,7 +627,7 @@ class SFTHooks(StageHooks):
         t.eval_every = t.checkpoint_every = self.steps_per_epoch
         t.eval_at_start = True
         if s.lora_rank:
-            cfg.model.bias_gamma = 0.0
+            cfg.model.moe.bias_gamma = 0.0
         self.cfg = validate(cfg)
         return cfg
 

@@ -216,7 +216,7 @@ def skip_step(self: Trainer):
     if self.nonfinite_run >= self.cfg.training.max_nonfinite:
         raise NonFiniteError(
             f"{self.nonfinite_run} non-finite steps in a row at step {self.step}: stopping. The last complete "
-            "checkpoint is untouched; lower training.lr, raise model.z_loss_weight or check the data"
+            "checkpoint is untouched; lower training.lr, raise model.moe.z_loss_weight or check the data"
         )
 
 # %% ../nbs/10_trainer.ipynb #6217a8fc

@@ -215,8 +215,8 @@ def plot_router_entropy(rows: list, ax, cfg: Config = None):
     ax.set(title="routing entropy", xlabel="step", ylabel="nats")
     if not ax.lines:
         return _note(ax, "no router/layerN_entropy logged (no MoE layer)")
-    if cfg is not None and cfg.model.n_routed:
-        _hline(ax, math.log(cfg.model.n_routed), f"ln {cfg.model.n_routed} (uniform)")
+    if cfg is not None and cfg.model.moe.n_routed:
+        _hline(ax, math.log(cfg.model.moe.n_routed), f"ln {cfg.model.moe.n_routed} (uniform)")
     ax.legend(fontsize=7, ncol=2)
 
 
@@ -225,8 +225,8 @@ def plot_overlap(rows: list, ax, cfg: Config = None):
     ax.set(title="cross-population overlap", xlabel="step")
     s, v = metric(rows, "router/cross_pop_overlap")
     if not len(s):
-        off = cfg is not None and cfg.model.n_pop_a == 0
-        return _note(ax, "populations off (model.n_pop_a = 0)" if off else "no router/cross_pop_overlap logged")
+        off = cfg is not None and cfg.model.moe.n_pop_a == 0
+        return _note(ax, "populations off (model.moe.n_pop_a = 0)" if off else "no router/cross_pop_overlap logged")
     ax.plot(s, v)
     if cfg is not None:
         _hline(ax, cfg.monitor.max_overlap, f"gate {cfg.monitor.max_overlap:g}", "tab:red")
@@ -244,7 +244,7 @@ def plot_loop_series(rows: list, ax, name: str = "norm", cfg: Config = None):
     ax.set(title=title, xlabel="step")
     n = loop_count(rows)
     if not n:
-        return _note(ax, "no recurrent core (model.n_core = 0)")
+        return _note(ax, "no recurrent core (model.recurrence.n_core = 0)")
     cmap = matplotlib.colormaps["viridis"]
     for k in range(1, n + 1):
         s, v = metric(rows, f"loop/{name}_{k}")
@@ -327,7 +327,7 @@ def learned_boundaries(model: CipherModel, text: str, mode: str = None) -> tuple
     "Per UTF-8 byte of `text`: does the boundary predictor end a segment there (bools), and its score sigmoid(logit) (floats)."
     if getattr(model, "boundary", None) is None:
         raise ValueError(
-            "this model has no boundary predictor (model.boundary is false): only byte-level boundary models have boundaries to show"
+            "this model has no boundary predictor (model.boundary.enabled is false): only byte-level boundary models have boundaries to show"
         )
     ids = torch.as_tensor(ByteCodec().encode_doc(text, eos=False))[None]  # BOS first, as in training
     seen = []
@@ -410,7 +410,7 @@ def boundary_figure(model: CipherModel, cfg: Config, text: str = None, mode: str
     plot_boundaries(text, ends, fig.subplots(), width, scores=scores)
     rate = sum(ends) / max(len(ends), 1)
     fig.suptitle(
-        f"mode {mode}: {sum(ends)} segments over {len(ends)} bytes, rate {rate:.2f} (target model.bp_rate {cfg.model.bp_rate:.2f}), "
+        f"mode {mode}: {sum(ends)} segments over {len(ends)} bytes, rate {rate:.2f} (target model.boundary.rate {cfg.model.boundary.rate:.2f}), "
         f"mean segment {len(ends) / max(sum(ends), 1):.1f} bytes",
         fontsize=9,
     )
@@ -426,7 +426,7 @@ def run_figures(run_dir, text: str = None, mode: str = None) -> dict:
     if loop_count(rows):
         figs["loops"] = loops_figure(rows, cfg)
     final = Path(run_dir) / "final"
-    if cfg.model.boundary and ck.is_complete(final):
+    if cfg.model.boundary.enabled and ck.is_complete(final):
         model, mcfg = load_export(final)
         figs["boundaries"] = boundary_figure(model, mcfg, text, mode)
     return figs
@@ -693,10 +693,10 @@ def run_stage(config: str = None, overrides=(), callbacks=(), progress: bool = F
 
 # %% ../nbs/13_viz.ipynb #76e9ad3f
 def ablation_grid(axes: dict) -> list:
-    "Every combination of the values in `axes` (`{'model.top_k': [1, 2], 'training.lr': [1e-3, 3e-3]}`) as override lists."
+    "Every combination of the values in `axes` (`{'model.moe.top_k': [1, 2], 'training.lr': [1e-3, 3e-3]}`) as override lists."
     for k, vs in axes.items():
         if "." not in k:
-            raise ConfigError(f"ablation key '{k}' is not of the form section.key (e.g. model.top_k)")
+            raise ConfigError(f"ablation key '{k}' is not of the form section.key (e.g. model.moe.top_k)")
         if not isinstance(vs, (list, tuple)) or not vs:
             raise ConfigError(f"ablation key '{k}': give a non-empty list of values, got {vs!r}")
     return [[f"{k}={v}" for k, v in zip(axes, combo)] for combo in itertools.product(*axes.values())]

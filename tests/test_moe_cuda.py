@@ -24,20 +24,20 @@ def reference(x, m: MoE):
     out = []
     for xt in x.detach().double().cpu().reshape(-1, c.d_model):
         logit = P["router.weight"] @ xt
-        s = logit.softmax(-1) if c.router_score == "softmax" else logit.sigmoid()
-        chosen = (s + bias).topk(c.top_k).indices.tolist()
-        g = s[chosen] / (s[chosen].sum() if c.router_renorm else 1) * c.route_scale
+        s = logit.softmax(-1) if c.moe.router_score == "softmax" else logit.sigmoid()
+        chosen = (s + bias).topk(c.moe.top_k).indices.tolist()
+        g = s[chosen] / (s[chosen].sum() if c.moe.router_renorm else 1) * c.moe.route_scale
         y = sum(
             g[j] * _swiglu(xt, P["experts.w_gate"][e], P["experts.w_up"][e], P["experts.w_down"][e])
             for j, e in enumerate(chosen)
         )
-        if c.n_shared:
+        if c.moe.n_shared:
             y = y + _swiglu(xt, P["shared.w_gate.weight"], P["shared.w_up.weight"], P["shared.w_down.weight"])
         out.append(y)
     return torch.stack(out).view(x.shape)
 
 
-BASE = ModelConfig(d_model=64, n_routed=8, n_shared=1, top_k=2, expert_d_ff=32, init_std=0.2)
+BASE = ModelConfig(d_model=64, init_std=0.2, moe=dict(n_routed=8, n_shared=1, top_k=2, expert_d_ff=32))
 
 
 @cuda
@@ -45,7 +45,7 @@ BASE = ModelConfig(d_model=64, n_routed=8, n_shared=1, top_k=2, expert_d_ff=32, 
 @pytest.mark.parametrize("impl", MOE_IMPLS)
 def test_paths_match_reference(impl, dtype, tol):
     torch.manual_seed(0)
-    m = MoE(dataclasses.replace(BASE, moe_impl=impl)).to(DEV, dtype)
+    m = MoE(dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, impl=impl))).to(DEV, dtype)
     m.expert_bias[[0, 7]] = -9.0  # two experts receive nothing
     x = torch.randn(3, 17, BASE.d_model, device=DEV, dtype=dtype, requires_grad=True)
     y, aux, stats = m(x)
@@ -66,7 +66,7 @@ def test_paths_agree_on_gradients():
     grads = {}
     for impl in MOE_IMPLS:
         torch.manual_seed(1)
-        m = MoE(dataclasses.replace(BASE, moe_impl=impl)).to(DEV)
+        m = MoE(dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, impl=impl))).to(DEV)
         xi = x.clone().requires_grad_()
         y, aux, _ = m(xi)
         ((y * g).sum() + sum(aux.values())).backward()
@@ -80,7 +80,11 @@ def test_paths_agree_on_gradients():
 def test_grouped_forward_backward_never_syncs():
     torch.manual_seed(0)
     m = (
-        MoE(dataclasses.replace(BASE, moe_impl="grouped", n_pop_a=4, balance_loss_weight=1e-3))
+        MoE(
+            dataclasses.replace(
+                BASE, moe=dataclasses.replace(BASE.moe, impl="grouped", n_pop_a=4, balance_loss_weight=1e-3)
+            )
+        )
         .to(DEV, torch.bfloat16)
         .train()
     )

@@ -13,12 +13,12 @@ import torch.nn as nn
 from cipher_nb.config import ModelConfig
 from cipher_nb.moe import MoE, update_moe_biases
 
-CFG = ModelConfig(d_model=16, n_routed=6, n_shared=0, top_k=2, expert_d_ff=8, bias_gamma=0.1)
+CFG = ModelConfig(d_model=16, moe=dict(n_routed=6, n_shared=0, top_k=2, expert_d_ff=8, bias_gamma=0.1))
 
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(MoE(CFG), MoE(dataclasses.replace(CFG, top_k=1)))
+    return nn.Sequential(MoE(CFG), MoE(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, top_k=1))))
 
 
 def _batches(rank):

@@ -62,7 +62,7 @@ def test_healthy_run_passes(tmp_path):
     t = table(r.stdout)
     assert len(t) == 7 and {v for v, _ in t.values()} == {"PASS", "SKIP"}
     assert t["GPU utilisation over 70% (MFU as the proxy)"][0] == "SKIP"  # a CPU run logs no MFU
-    assert t["cross-population overlap under 0.3"] == ("SKIP", "populations off (model.n_pop_a = 0)")
+    assert t["cross-population overlap under 0.3"] == ("SKIP", "populations off (model.moe.n_pop_a = 0)")
     assert "gate PASS: 5 passed, 0 failed, 2 skipped" in r.stdout
 
 

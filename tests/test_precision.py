@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from conftest import run_cli
 
-from cipher_nb.config import Config, ModelConfig
+from cipher_nb.config import Config, ModelConfig, model_config
 from cipher_nb.moe import MoE
 from cipher_nb.precision import (
     DeviceCaps,
@@ -67,7 +67,7 @@ class Tiny(nn.Module):
 
 
 def tiny_cfg(**kw):
-    return ModelConfig(
+    return model_config(
         vocab=272,
         d_model=64,
         n_heads=4,

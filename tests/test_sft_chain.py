@@ -15,11 +15,11 @@ from conftest import ROOT, run_cli
 MODEL = [
     "model.d_model=64",
     "model.n_layers=2",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.head_dim=32",
-    "model.n_routed=4",
-    "model.expert_d_ff=64",
+    "model.attention.n_heads=2",
+    "model.attention.n_kv_heads=1",
+    "model.attention.head_dim=32",
+    "model.moe.n_routed=4",
+    "model.moe.expert_d_ff=64",
 ]
 PRETRAIN = [
     *MODEL,

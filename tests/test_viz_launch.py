@@ -10,13 +10,13 @@ from conftest import ROOT, run_cli
 PY = sys.executable
 TINY = [
     "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.head_dim=16",
+    "model.attention.n_heads=2",
+    "model.attention.n_kv_heads=1",
+    "model.attention.head_dim=16",
     "model.n_layers=2",
-    "model.n_routed=4",
-    "model.top_k=1",
-    "model.expert_d_ff=32",
+    "model.moe.n_routed=4",
+    "model.moe.top_k=1",
+    "model.moe.expert_d_ff=32",
     "training.seq_len=64",
     "training.batch_size=2",
 ]
@@ -77,7 +77,7 @@ def test_preflight_passes_non_gpu_checks_with_flag(tmp_path):
         (["training.persistent_dir=/etc/hostname/ckpt"], "persistent checkpoint directory", "Not a directory"),
         (["PERSIST", "data.source=files", "data.path=/nonexistent/*.txt"], "data reachable", "/nonexistent"),
         (["PERSIST", "--min-disk-gb", "1e9"], "disk: run directory", "need 1,000,000,000.0 GB"),
-        (["PERSIST", "model.top_k=40"], "config", "model.top_k"),
+        (["PERSIST", "model.moe.top_k=40"], "config", "model.moe.top_k"),
         (["PERSIST", "INIT"], "init source", "no_such_checkpoint"),
     ],
 )
