@@ -12,17 +12,18 @@ __all__ = ['BP_MODES', 'CAUSAL_BP_MODES', 'check_bp_mode', 'logistic_noise', 'st
 # %% ../nbs/04_boundary.ipynb #6b881f97
 import math
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .config import ModelConfig
+from .config import BPMode, CausalBPMode, ModelConfig
 
 # %% ../nbs/04_boundary.ipynb #4fde020f
-BP_MODES = ("causal_fixed", "adaptive", "topk")
-CAUSAL_BP_MODES = ("causal_fixed", "adaptive")
+BP_MODES = get_args(BPMode)  # the config field's Literal is the one list
+CAUSAL_BP_MODES = get_args(CausalBPMode)
 
 
 def check_bp_mode(mode: str, generating: bool = False) -> str:

@@ -212,7 +212,9 @@ class CipherModel(nn.Module):
             self.byte_out = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.boundary.n_byte_layers)])
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-        inv, self.rope_scale = rope_frequencies(cfg.attention.head_dim, cfg.attention.rope_base, cfg.attention.rope_scaling, cfg.attention.rope_orig_ctx)
+        inv, self.rope_scale = rope_frequencies(
+            cfg.attention.head_dim, cfg.attention.rope_base, cfg.attention.rope_scaling, cfg.attention.rope_orig_ctx
+        )
         self.register_buffer("inv_freq", inv, persistent=False)
         self.apply(self._init)
         for n, p in self.named_parameters():  # GPT-2: every projection into the residual stream scaled down with depth
@@ -247,7 +249,9 @@ def _loop_count(cfg: ModelConfig, training: bool, n_loops) -> int:
     if n_loops is not None:
         return int(n_loops)
     if training and cfg.recurrence.random_loops:  # 1 + Poisson(n_loops - 1): mean n_loops, capped at twice that
-        return int(min(1 + torch.poisson(torch.tensor(float(cfg.recurrence.n_loops - 1))).item(), 2 * cfg.recurrence.n_loops))
+        return int(
+            min(1 + torch.poisson(torch.tensor(float(cfg.recurrence.n_loops - 1))).item(), 2 * cfg.recurrence.n_loops)
+        )
     return cfg.recurrence.n_loops
 
 

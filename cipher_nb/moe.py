@@ -13,13 +13,14 @@ __all__ = ['GROUP_ALIGN', 'MOE_IMPLS', 'GROUPED_DTYPES', 'SwiGLU', 'route', 'exp
 # %% ../nbs/05_moe.ipynb #5ee5504f
 import math
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from .config import ModelConfig, MoEKernel
 
 # %% ../nbs/05_moe.ipynb #b148d56f
 class SwiGLU(nn.Module):
@@ -268,7 +269,7 @@ class RoutedExperts(nn.Module):
         return _Combine.apply(mm(h, wd), p, by_gather)  # [N, d]
 
 # %% ../nbs/05_moe.ipynb #9de4ba0d
-MOE_IMPLS = ("grouped", "bmm", "loop")
+MOE_IMPLS = get_args(MoEKernel)  # the config Literal: auto plus these
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what `_grouped_mm` multiplies (no float64)
 
 

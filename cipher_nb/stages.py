@@ -10,11 +10,12 @@ __all__ = ['STAGES', 'STAGE_SOURCES', 'check_resume', 'check_stage_transition', 
 
 # %% ../nbs/09b_stages.ipynb #57c0002c
 from itertools import islice
+from typing import get_args
 
 import torch.nn as nn
 
 from .checkpoint import CheckpointError, ResumeError, StageError, dist_info, read_meta
-from .config import Config, ConfigError, config_from_dict, critical_dict, critical_diff
+from .config import Config, ConfigError, Stage, config_from_dict, critical_dict, critical_diff
 from .curriculum import build_loader
 
 # %% ../nbs/09b_stages.ipynb #ded3c673
@@ -43,7 +44,7 @@ def check_resume(meta: dict, cfg: Config, world_size: int | None = None):
         )
 
 # %% ../nbs/09b_stages.ipynb #dead96d9
-STAGES = ("pretrain", "refinement", "sft")
+STAGES = get_args(Stage)
 STAGE_SOURCES = dict(pretrain=("pretrain",), refinement=("pretrain",), sft=("refinement", "sft"))
 
 

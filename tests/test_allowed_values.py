@@ -4,7 +4,7 @@ from typing import get_args
 
 import pytest
 
-from cipher_nb import boundary, checkpoint, config, data, moe, precision
+from cipher_nb import boundary, config, data, moe, precision, stages
 
 
 def names(literal) -> tuple:
@@ -19,8 +19,8 @@ PAIRS = [
     ("precision.PRECISIONS", lambda: precision.PRECISIONS, config.Precision),
     ("precision.FP8_RECIPES", lambda: precision.FP8_RECIPES, config.FP8Recipe),
     ("precision.OPTIMIZERS", lambda: precision.OPTIMIZERS, config.OptimName),
-    ("checkpoint.STAGES", lambda: checkpoint.STAGES, config.Stage),
-    ("data source kinds", lambda: getattr(data, "SOURCE_KINDS", None) or data._KINDS, config.Source),
+    ("stages.STAGES", lambda: stages.STAGES, config.Stage),
+    ("data source kinds", lambda: data.SOURCE_KINDS, config.Source),
 ]
 
 
@@ -61,6 +61,6 @@ def test_low_precision_chain_is_allowed():
 
 
 def test_source_stage_is_empty_or_a_stage():
-    assert names(config.SourceStage) == ("", *checkpoint.STAGES)
-    assert set(checkpoint.STAGE_SOURCES) == set(checkpoint.STAGES)
-    assert {s for v in checkpoint.STAGE_SOURCES.values() for s in v} <= set(checkpoint.STAGES)
+    assert names(config.SourceStage) == ("", *stages.STAGES)
+    assert set(stages.STAGE_SOURCES) == set(stages.STAGES)
+    assert {s for v in stages.STAGE_SOURCES.values() for s in v} <= set(stages.STAGES)
