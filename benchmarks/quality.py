@@ -3,7 +3,7 @@ through cipher_nb's own loop on the embedded standard-library corpus.
 
     python benchmarks/quality.py                              # 4 contenders, 1 seed, 800 CPU-seconds each
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
-    python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (applied to every contender)
+    python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (to every contender)
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
 
 Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `--config`, plus any `a.b=c` overrides):
@@ -191,7 +191,8 @@ def table(runs: list, names: list) -> str:
         f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
         f"seeds per contender: {len(by[names[0]])}",
         "",
-        "| contender | held-out bpb | vs dense, same seed | ahead of dense | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |",
+        "| contender | held-out bpb | vs dense, same seed | ahead of dense | steps | tok/s | params (total) "
+        "| params (active) | peak RSS GB | clock-s used |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in names:
@@ -234,7 +235,8 @@ def plot(runs: list, names: list, path: Path):
             ax.plot(xs, ys, marker="o", ms=3, color=f"C{i}", alpha=0.9 if j == 0 else 0.5, label=n if j == 0 else None)
     r0 = runs[0]
     ax.set_xlabel(
-        f"{'CPU' if r0['clock'] == 'cpu' else 'wall-clock'} seconds: steps x measured step cost ({r0['threads']} torch thread(s))"
+        f"{'CPU' if r0['clock'] == 'cpu' else 'wall-clock'} seconds: "
+        f"steps x measured step cost ({r0['threads']} torch thread(s))"
     )
     ax.set_ylabel("held-out bits per byte")
     ax.grid(alpha=0.3)
@@ -304,7 +306,8 @@ def main():
     short = [n for n in names if int(a.budget / costs[n]) <= warmup]
     if short:
         sys.exit(
-            f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, not more than "
+            f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, "
+            "not more than "
             f"training.warmup_steps ({warmup}): raise --budget or lower training.warmup_steps"
         )
     out = Path(a.out)

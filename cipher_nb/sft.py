@@ -6,11 +6,10 @@ Docs: https://cipher-nb.github.io/cipher_nb/sft.html.md"""
 
 # %% auto #0
 __all__ = ['ROLES', 'messages_from_record', 'load_conversations', 'first_paragraph', 'module_name', 'stdlib_qa', 'Example',
-           'supervised_turns', 'render_conversation', 'ChatTemplate', 'load_chat_template', 'render_with_template',
-           'make_example', 'length_gate', 'SFTData', 'is_heldout_conversation', 'qa_conversations', 'build_sft_data',
-           'pack_best_fit', 'window_arrays', 'pack_examples', 'SFTLoader', 'heldout_batches', 'LoRALinear',
-           'inject_lora', 'has_lora', 'merge_lora', 'merge_lora_state', 'run_mode', 'check_mode', 'SFTHooks',
-           'SFTCallback']
+           'supervised_turns', 'render_conversation', 'ChatTemplate', 'load_chat_template', 'encode_spans',
+           'render_with_template', 'make_example', 'length_gate', 'SFTData', 'is_heldout_conversation',
+           'qa_conversations', 'build_sft_data', 'pack_best_fit', 'window_arrays', 'pack_examples', 'SFTLoader',
+           'heldout_batches', 'SFTHooks', 'SFTCallback']
 
 # %% ../nbs/11_sft.ipynb #5576dcdb
 import bisect
@@ -29,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import checkpoint as ck
 from .config import Config, ConfigError, validate
 from .core import dist_env
 from .data import ByteCodec, DataError, build_codec, doc_hash, stdlib_docs, stdlib_files
+from .lora import check_mode, has_lora, inject_lora, merge_lora, merge_lora_state
 from .train import Callback, StageHooks
 
 # %% ../nbs/11_sft.ipynb #3c21d57b
@@ -75,7 +74,7 @@ def messages_from_record(rec, where: str = "record") -> list:
 
 # %% ../nbs/11_sft.ipynb #e6a54eff
 def load_conversations(source: str, split: str = "train") -> list:
-    "`[(name, messages), ...]` from a local .jsonl / .json file, or a dataset folder or hub name (read with `datasets`)."
+    "`[(name, messages), ...]` from a local .jsonl / .json file or a dataset folder or hub name (via `datasets`)."
     p = Path(source).expanduser()
     if p.is_file():
         text = p.read_text()
@@ -127,7 +126,7 @@ def module_name(path: Path, root: Path) -> str | None:
 
 @lru_cache(None)
 def stdlib_qa(min_words: int = 3) -> tuple:
-    "`(module.function, question, answer)` for every public module-level function of the stdlib with a docstring, in file order."
+    "`(module.function, question, answer)` per public module-level stdlib function with a docstring, in file order."
     root, out, seen = Path(sysconfig.get_paths()["stdlib"]), [], set()
     for path, src in zip(stdlib_files(), stdlib_docs()):
         mod = module_name(path, root)
@@ -164,7 +163,7 @@ def supervised_turns(messages: list, mask: str = "final") -> set:
 
 
 def render_conversation(messages: list, codec, mask: str = "final", generation_prompt: bool = False) -> tuple:
-    "`(ids, loss)` of a conversation with the codec's role and end-of-turn specials; optionally ending with an open assistant turn."
+    "`(ids, loss)` of a conversation with the role and end-of-turn specials, optionally ending in an open reply."
     trained = supervised_turns(messages, mask)
     ids, loss = [np.array([codec.bos])], [np.zeros(1, bool)]
     for i, m in enumerate(messages):
@@ -221,7 +220,7 @@ def load_chat_template(path) -> ChatTemplate:
     return ChatTemplate(tpl, _token_str(d.get("bos_token")), _token_str(d.get("eos_token")))
 
 # %% ../nbs/11_sft.ipynb #b4dffb01
-def _encode_spans(text: str, spans: list, codec) -> tuple:
+def encode_spans(text: str, spans: list, codec) -> tuple:
     "Ids of `text` and a mask of the ids that overlap any character span in `spans`."
     if hasattr(codec, "tok"):  # a TokenizerCodec: the template's markers are its specials
         old, codec.tok.encode_special_tokens = codec.tok.encode_special_tokens, False
@@ -244,7 +243,7 @@ def _encode_spans(text: str, spans: list, codec) -> tuple:
 def render_with_template(
     messages: list, template: ChatTemplate, codec, mask: str = "final", generation_prompt: bool = False
 ) -> tuple:
-    "`(ids, loss)` of a conversation through a chat template; the loss covers each supervised reply and its end-of-turn text."
+    "`(ids, loss)` of a conversation through a chat template; the loss covers each supervised reply and its end-of-turn"
     full = template.render(messages, generation_prompt)
     spans = []
     for i in sorted(supervised_turns(messages, mask)):
@@ -255,7 +254,7 @@ def render_with_template(
                 "cannot be located for the loss mask: use a prefix-stable template, or leave sft.chat_template empty"
             )
         spans.append((len(start), len(upto)))
-    return _encode_spans(full, spans, codec)
+    return encode_spans(full, spans, codec)
 
 # %% ../nbs/11_sft.ipynb #2d96ae8e
 def make_example(name: str, messages: list, codec, mask: str = "final", template: ChatTemplate = None) -> Example:
@@ -342,7 +341,8 @@ def build_sft_data(cfg: Config, codec=None) -> SFTData:
     where = f"sft.data = '{s.data}'" if s.data else "the embedded stdlib Q&A"
     if not heldout:
         raise DataError(
-            f"{where}: no held-out example (sft.heldout_frac = {s.heldout_frac} of {len(convs)}): raise sft.heldout_frac or give more data"
+            f"{where}: no held-out example (sft.heldout_frac = {s.heldout_frac} of {len(convs)}): "
+            "raise sft.heldout_frac or give more data"
         )
     if not train:
         raise DataError(f"{where}: no training example left (of {len(convs)}; {len(long)} over training.seq_len = {T})")
@@ -486,108 +486,6 @@ def heldout_batches(arrays: dict, batch_size: int, rank: int = 0, world_size: in
     mine = np.arange(rank, W, world_size)
     return [{k: torch.from_numpy(v[idx]) for k, v in arrays.items()} for idx in np.array_split(mine, n_batches)]
 
-# %% ../nbs/11_sft.ipynb #3db0af80
-class LoRALinear(nn.Module):
-    "A frozen linear layer plus a trainable low-rank update: `x W^T + (alpha/r) dropout(x) A^T B^T`."
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
-        super().__init__()
-        self.in_features, self.out_features, self.scale = base.in_features, base.out_features, alpha / rank
-        self.weight = base.weight.requires_grad_(False)
-        self.bias = None if base.bias is None else base.bias.requires_grad_(False)
-        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
-        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **kw))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **kw))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init; B = 0 makes the update start at zero
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x):
-        return (
-            F.linear(x, self.weight, self.bias)
-            + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
-        )
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rank={len(self.lora_A)}, scale={self.scale:g}"
-
-    def merged_weight(self) -> torch.Tensor:
-        "`W + scale B A`, computed in float32 and returned in the weight's dtype."
-        return (self.weight.float() + self.scale * (self.lora_B.float() @ self.lora_A.float())).to(self.weight.dtype)
-
-# %% ../nbs/11_sft.ipynb #d92c6359
-def inject_lora(
-    model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=("wq", "wk", "wv", "wo")
-) -> list:
-    "Freeze `model` and wrap every `nn.Linear` whose name ends in one of `targets` with `LoRALinear`; return their names."
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    chosen = [n for n in linears if n.rsplit(".", 1)[-1] in targets]
-    if not chosen:
-        kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
-        raise ConfigError(
-            f"sft.lora_targets = {list(targets)} matches no linear layer of the model; its linear layers are "
-            f"named {', '.join(kinds)} (routed experts are grouped weights, not linear layers)"
-        )
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for n in chosen:
-        parent, _, attr = n.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, LoRALinear(linears[n], rank, alpha, dropout))
-    return chosen
-
-
-def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
-
-# %% ../nbs/11_sft.ipynb #93d9daaf
-def merge_lora(model: nn.Module) -> nn.Module:
-    "A copy of `model` with every LoRA layer folded into a plain `nn.Linear`."
-    out = copy.deepcopy(model)
-    for n, m in list(out.named_modules()):
-        if not isinstance(m, LoRALinear):
-            continue
-        lin = nn.Linear(
-            m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device, dtype=m.weight.dtype
-        )
-        with torch.no_grad():
-            lin.weight.copy_(m.merged_weight())
-            if m.bias is not None:
-                lin.bias.copy_(m.bias)
-        parent, _, attr = n.rpartition(".")
-        setattr(out.get_submodule(parent) if parent else out, attr, lin)
-    for p in out.parameters():
-        p.requires_grad_(True)
-    return out
-
-
-def merge_lora_state(sd: dict, scale: float) -> dict:
-    "A full state dict with each `X.lora_A` / `X.lora_B` pair folded into `X.weight` and removed."
-    out = {k: v for k, v in sd.items() if not k.endswith((".lora_A", ".lora_B"))}
-    for k in sd:
-        if not k.endswith(".lora_A"):
-            continue
-        p = k[: -len(".lora_A")]
-        w = out[f"{p}.weight"]
-        out[f"{p}.weight"] = (w.float() + scale * (sd[f"{p}.lora_B"].float() @ sd[k].float())).to(w.dtype)
-    return out
-
-# %% ../nbs/11_sft.ipynb #e58d927d
-def run_mode(cfg: Config) -> str:
-    return "lora" if cfg.sft.lora_rank else "full"
-
-
-def check_mode(meta: dict, cfg: Config):
-    "Refuse to resume LoRA state in a full-parameter run, or full-parameter state in a LoRA run."
-    saved, now = meta.get("mode", "full"), run_mode(cfg)
-    if saved == now:
-        return
-    what = {"lora": "LoRA adapters over a frozen base", "full": "full-parameter weights and optimizer state"}
-    raise ck.ResumeError(
-        f"cannot resume {meta.get('path', 'the checkpoint')}: it holds {what[saved]} ({saved} mode) and this "
-        f"run is {now} (sft.lora_rank = {cfg.sft.lora_rank}). LoRA and full-parameter states never mix: resume "
-        f"with sft.lora_rank = {meta.get('config', {}).get('sft', {}).get('lora_rank', '?')}, or start a new "
-        "run with --init from a full-parameter checkpoint"
-    )
-
 # %% ../nbs/11_sft.ipynb #e867dc22
 class SFTHooks(StageHooks):
     "The SFT stage: epochs into steps, packed conversations, the whole held-out set, LoRA, merged export, metrics.csv."
@@ -657,10 +555,11 @@ class SFTHooks(StageHooks):
     def notes(self, cfg: Config) -> list:
         "What the run record says about the SFT data."
         d, s, T = self.sft_data(cfg), cfg.sft, cfg.training.seq_len
+        on = "the final assistant turn" if s.mask == "final" else "every assistant turn"
         out = [
             f"sft data {d.source} (hash {d.fingerprint()}): {len(d.train)} training examples packed into "
             f"{len(self._arrays(cfg, 'train')['input_ids'])} windows of {T}, {len(d.heldout)} held-out examples, all "
-            f"evaluated at the source checkpoint and every epoch; loss on {'the final assistant turn' if s.mask == 'final' else 'every assistant turn'}"
+            f"evaluated at the source checkpoint and every epoch; loss on {on}"
         ]
         if d.dropped:
             out.append(
@@ -673,7 +572,7 @@ class SFTHooks(StageHooks):
         if s.lora_rank:
             out.append(
                 f"LoRA (rank {s.lora_rank}, alpha {s.lora_alpha}, targets {list(s.lora_targets)}): an "
-                "experimental mode, not a substitute for the full-parameter release (seed 002)"
+                "experimental mode, not a substitute for the full-parameter release (the training-stage guide)"
             )
         return out
 
@@ -705,9 +604,9 @@ class SFTCallback(Callback):
         rec = getattr(trainer, "record", None)
         if rec is not None and trainer.run_dir is not None:
             rec.limitations = [
-                l
-                for l in rec.limitations
-                if not l.startswith(("sft data", "sft.drop_long", "embedded stdlib", "LoRA ("))
+                note
+                for note in rec.limitations
+                if not note.startswith(("sft data", "sft.drop_long", "embedded stdlib", "LoRA ("))
             ] + self.notes
             rec.save(trainer.run_dir / "record.json")
 

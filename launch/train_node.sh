@@ -10,7 +10,7 @@
 # OUT (default runs/$RUN_NAME), PREFLIGHT_ARGS (e.g. --min-disk-gb 500), DRY_RUN=1 (print the commands only).
 source "$(dirname "$0")/common.sh"
 CONFIG="${1:?give a preset, e.g. examples/configs/h100.yaml}"; shift
-need PERSIST "the persistent volume for checkpoints (seed 000: never checkpoint only to local disk)"
+need PERSIST "the persistent volume for checkpoints (the cipher-training runbook: never checkpoint only to local disk)"
 NPROC="${NPROC:-8}"
 RUN_NAME="${RUN_NAME:-$(basename "$CONFIG" .yaml)-$(date +%Y%m%d-%H%M%S)}"
 OUT="${OUT:-runs/$RUN_NAME}"

@@ -34,7 +34,7 @@ def test_paired_matches_seeds_not_order():
 def test_table_weighs_the_gap_by_the_paired_spread():
     # seed 1 is harder for both: the unpaired spread is 0.3536, the per-seed gap is -0.05 on both seeds
     runs = [run("dense", 0, 2.0), run("dense", 1, 2.5), run("moe", 0, 1.95), run("moe", 1, 2.45)]
-    row = next(l for l in quality.table(runs, ["dense", "moe"]).splitlines() if l.startswith("| moe |"))
+    row = next(line for line in quality.table(runs, ["dense", "moe"]).splitlines() if line.startswith("| moe |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[1] == "2.2000 ± 0.3536"
     assert cells[2] == "-0.0500 ± 0.0000"

@@ -1,4 +1,4 @@
-"The release chain as processes on the embedded defaults: pretrain -> refinement -> SFT; LoRA; exact resume; the refusals."
+"The release chain as processes on the embedded defaults: pretrain -> refinement -> SFT; LoRA; resume; the refusals."
 
 import csv
 import json
@@ -97,7 +97,7 @@ def test_chain_sft_improves_on_its_source(sft_run, capsys):
     assert (sft_run / "checkpoints/best/COMPLETE").exists() and (sft_run / "final/model.safetensors").exists()
     rec = json.loads((sft_run / "record.json").read_text())
     assert rec["stage"] == "sft" and rec["mode"] == "full" and rec["source_checkpoint"]["stage"] == "refinement"
-    assert any(l.startswith("sft data stdlib-qa") for l in rec["limitations"])
+    assert any(n.startswith("sft data stdlib-qa") for n in rec["limitations"])
     assert [e["step"] for e in rec["evals"]] == [0, spe, 2 * spe] and rec["selection_rule"]
     assert (
         cfg["training"]["lr"] == 2e-3 and cfg["training"]["max_steps"] == 2 * spe and cfg["training"]["eval_at_start"]
@@ -157,7 +157,7 @@ def test_lora_trains_adapters_only_and_exports_merged(chain, tmp_path):
 
 
 def test_torchrun_fsdp_lora_matches_one_process(chain, sft_run, tmp_path):
-    "Two CPU ranks (FSDP2, LoRA): the same held-out figure for the source checkpoint as one process, and a merged export."
+    "Two CPU ranks (FSDP2, LoRA): the same held-out figure for the source checkpoint as one process; a merged export."
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     run = tmp_path / "fsdp"
     r = run_cli(

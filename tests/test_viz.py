@@ -9,7 +9,8 @@ import pytest
 from conftest import run_cli
 from PIL import Image
 
-# a tiny byte-level model with every feature the plots show: two expert populations, a recurrent core, a boundary predictor
+# a tiny byte-level model with every feature the plots show: two expert populations, a recurrent core,
+# a boundary predictor
 TINY = [
     "model.d_model=32",
     "model.attention.n_heads=2",
@@ -87,7 +88,7 @@ def test_panels_follow_the_metrics(run):
     "The heatmap's panels are the MoE layers the run logged, each with one row per expert and one column per log row."
     from cipher_nb.viz import expert_load_matrix, panel_titles, run_figures
 
-    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     layers = sorted(
         {
             int(k.split("layer")[1].split("_")[0])

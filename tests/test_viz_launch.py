@@ -29,10 +29,10 @@ def preflight(*args):
 def lines(out):
     "{check name: (status, figure)} from the preflight's table."
     res = {}
-    for l in out.splitlines():
-        if l[:4] in ("PASS", "FAIL", "SKIP"):
-            name, fig = l[6:].split("  ", 1)
-            res[name.strip()] = (l[:4], fig.strip())
+    for line in out.splitlines():
+        if line[:4] in ("PASS", "FAIL", "SKIP"):
+            name, fig = line[6:].split("  ", 1)
+            res[name.strip()] = (line[:4], fig.strip())
     return res
 
 
@@ -99,7 +99,7 @@ def test_preflight_names_each_problem(tmp_path, extra, check, expect):
 def dry(script, *args, **env):
     r = run_cli("bash", str(ROOT / "launch" / script), *args, env={"DRY_RUN": "1", **env})
     assert r.returncode == 0, r.stderr
-    return [shlex.split(l) for l in r.stdout.splitlines() if l.strip()]
+    return [shlex.split(line) for line in r.stdout.splitlines() if line.strip()]
 
 
 def test_single_node_command():
