@@ -26,6 +26,7 @@ import numpy as np
 from . import checkpoint as ck
 from .config import Config, ConfigError, config_hash, load_config
 from .monitor import read_metrics
+from .record import checkpoint_hash
 from .train import build_trainer, resolve_run
 
 # %% ../nbs/12a_experiments.ipynb #e46563d2
@@ -56,7 +57,7 @@ def _locked(path: Path):
 
 def run_request(cfg: Config) -> dict:
     "What makes a run the same run: its config hash and the content hash of its --init source."
-    return dict(config_hash=config_hash(cfg), init=ck.checkpoint_hash(cfg.stage.init) if cfg.stage.init else None)
+    return dict(config_hash=config_hash(cfg), init=checkpoint_hash(cfg.stage.init) if cfg.stage.init else None)
 
 
 def finished_run(run_dir, cfg: Config) -> bool:

@@ -32,9 +32,12 @@ import torch.nn as nn
 from . import checkpoint as ck
 from .config import Config, ConfigError, validate
 from .core import dist_env
-from .data import ByteCodec, DataError, build_codec, doc_hash, stdlib_docs, stdlib_files
+from .callbacks import Callback
+from .checkpointer import is_sharded
+from .codecs import ByteCodec, build_codec
+from .data import DataError, doc_hash, stdlib_docs, stdlib_files
 from .lora import check_mode, has_lora, inject_lora, merge_lora, merge_lora_state
-from .train import Callback, StageHooks
+from .stages import StageHooks
 
 # %% ../nbs/11_sft.ipynb #3c21d57b
 ROLES = ("system", "user", "assistant")
@@ -545,7 +548,7 @@ class SFTHooks(StageHooks):
         raw = getattr(model, "module", model)  # DDP's wrapper would prefix every name with 'module.'
         if not has_lora(raw):
             return raw
-        if not ck.is_sharded(raw):
+        if not is_sharded(raw):
             return merge_lora(raw)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

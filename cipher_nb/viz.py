@@ -36,7 +36,8 @@ from matplotlib.ticker import MaxNLocator
 from . import checkpoint as ck
 from .config import Config, ConfigError, config_from_dict, load_config
 from .curriculum import Curriculum
-from .data import ByteCodec
+from .checkpointer import load_weights
+from .codecs import ByteCodec
 from .experiments import ablation_grid as ablation_grid
 from .experiments import ablation_table as ablation_table
 from .experiments import cipher_train_script as cipher_train_script
@@ -301,7 +302,7 @@ def load_export(path) -> tuple:
         )
     cfg = config_from_dict(json.loads(f.read_text())["config"])
     model = CipherModel(cfg.model)
-    ck.load_weights(path, model)
+    load_weights(path, model)
     return model.eval(), cfg
 
 
