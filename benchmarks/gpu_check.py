@@ -25,7 +25,8 @@ from fastcore.script import CliError, call_parse
 from cipher_nb.config import flops_per_token, load_config, param_counts
 from cipher_nb.core import autocast, resolve_device, seed_everything
 from cipher_nb.model import CipherModel
-from cipher_nb.precision import build_optimizer, convert_model, detect_precision, probe_device, probe_libs
+from cipher_nb.optim import build_optimizer
+from cipher_nb.precision import convert_model, detect_precision, probe_device, probe_libs
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = [
@@ -106,7 +107,7 @@ def run_mode(cfg, spec: str, device, steps: int, warmup: int, compile: bool, emu
     if cuda:
         torch.cuda.synchronize(device)
     dt = time.perf_counter() - t0
-    losses = [l.item() for l in losses]
+    losses = [loss.item() for loss in losses]
     if not all(map(lambda v: v == v and abs(v) != float("inf"), losses)):
         return dict(row, error=f"non-finite loss: {losses}")
     tok_s = B * T * steps / dt
@@ -128,7 +129,10 @@ def run_mode(cfg, spec: str, device, steps: int, warmup: int, compile: bool, emu
 def table(rows: list, fpt: float, peak: float) -> str:
     "The side-by-side table, with ratios to the first mode that ran."
     base = next((r for r in rows if "tok_s" in r), None)
-    head = f"{'mode':<16}{'tok/s':>12}{'MFU':>8}{'ms/step':>9}{'peak GB':>9}{'lowp FLOPs':>11}{'tok/s x':>9}{'mem x':>7}  experts"
+    head = (
+        f"{'mode':<16}{'tok/s':>12}{'MFU':>8}{'ms/step':>9}{'peak GB':>9}{'lowp FLOPs':>11}{'tok/s x':>9}{'mem x':>7}"
+        "  experts"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         if "tok_s" not in r:
@@ -172,7 +176,8 @@ def main(
     except Exception:
         ao = "missing"
     print(
-        f"device: {caps.name} (capability {caps.capability[0]}.{caps.capability[1]}), torch {torch.__version__}, torchao {ao}, python {platform.python_version()}"
+        f"device: {caps.name} (capability {caps.capability[0]}.{caps.capability[1]}), torch {torch.__version__}, "
+        f"torchao {ao}, python {platform.python_version()}"
     )
     print(
         f"libraries: {', '.join(k for k in ('float8', 'fp8_grouped', 'mxfp8', 'nvfp4', 'triton') if getattr(libs, k))}"
@@ -180,9 +185,11 @@ def main(
     )
     pc = param_counts(cfg.model)
     print(
-        f"preset: {path.name}{' (smoke shapes)' if smoke else ''}: {pc['total'] / 1e6:.1f}M params, {pc['active'] / 1e6:.1f}M active, "
+        f"preset: {path.name}{' (smoke shapes)' if smoke else ''}: {pc['total'] / 1e6:.1f}M params, "
+        f"{pc['active'] / 1e6:.1f}M active, "
         f"batch {cfg.training.batch_size} x {cfg.training.seq_len} tokens a step, {fpt / 1e9:.2f} GFLOP/token, "
-        f"moe_impl {cfg.model.moe.impl}, optimizer {cfg.optim.name}, {warmup} warmup + {steps} timed steps{', compiled' if compile else ''}"
+        f"moe_impl {cfg.model.moe.impl}, optimizer {cfg.optim.name}, {warmup} warmup + {steps} timed steps"
+        f"{', compiled' if compile else ''}"
     )
     rows = []
     for spec in [m.strip() for m in modes.split(",") if m.strip()]:

@@ -1,7 +1,8 @@
 """Peak memory and time of the LM loss, forward + backward, at the H100 preset's output shape: the chunked fused
 cross-entropy of `cipher_nb.model` against the plain path (full logits, then `F.cross_entropy`), side by side.
 
-    python benchmarks/loss_memory.py [--tokens 8192] [--vocab 32768] [--d-model 512] [--chunk 1024] [--reps 2] [--device cpu]
+    python benchmarks/loss_memory.py [--tokens 8192] [--vocab 32768] [--d-model 512] [--chunk 1024] [--reps 2]
+        [--device cpu]
 
 Tokens default to one micro-batch of the preset (4 x 2048). Peak memory is the peak of live tensor bytes during the
 call, tracked by torch's `MemTracker` (any device; on CUDA also `max_memory_allocated`). Time is the best of `--reps`.
@@ -69,7 +70,8 @@ def main():
     pt, pm = rows["plain"]
     print(
         f"loss forward + backward: {a.tokens} tokens, vocab {a.vocab}, d_model {a.d_model}, chunk {a.chunk}, "
-        f"{device.type} {str(dtype).replace('torch.', '')}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{device.type} {str(dtype).replace('torch.', '')}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
     )
     print(f"{'path':<10}{'seconds':>10}{'x plain':>10}{'peak MiB':>12}{'x plain':>10}")
     for name, (t, m) in rows.items():

@@ -24,17 +24,17 @@ from .boundary import check_bp_mode
 from .config import ConfigError, config_from_dict
 from .core import resolve_device
 from .data import ByteCodec, DataError, build_codec, source_documents
+from .metrics import heldout_metrics
 from .model import CipherModel, ModelOutput
 from cipher_nb.sft import (
     ChatTemplate,
     Example,
-    _encode_spans,
+    encode_spans,
     inject_lora,
     merge_lora,
     pack_examples,
     render_conversation,
 )
-from .train import heldout_metrics
 
 # %% ../nbs/12_evaluate.ipynb #8515f602
 def text_examples(texts, codec, seq_len: int) -> list:
@@ -60,7 +60,7 @@ def text_batches(texts, codec, seq_len: int, batch_size: int = 8) -> list:
 def bits_per_byte(
     model: nn.Module, codec, texts, seq_len: int, batch_size: int = 8, device=None, dtype=torch.float32
 ) -> dict:
-    "`val/loss` (nats per target) and `val/bpb` of `texts`, through `train.heldout_metrics`."
+    "`val/loss` (nats per target) and `val/bpb` of `texts`, through `metrics.heldout_metrics`."
     device = device or next(model.parameters()).device
     was = model.training
     model.eval()
@@ -107,8 +107,8 @@ def score_continuations(model: nn.Module, codec, context: str, choices, sep: str
 # %% ../nbs/12_evaluate.ipynb #27e5b0c5
 def load_mc(path, labels=None) -> list:
     "Multiple-choice items `{context, choices, label}` from JSON lines (this shape or PIQA's goal/sol1/sol2/label)."
-    lines = [l for l in Path(path).read_text().splitlines() if l.strip()]
-    labs = [int(l) for l in Path(labels).read_text().split()] if labels else None
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    labs = [int(x) for x in Path(labels).read_text().split()] if labels else None
     if labs is not None and len(labs) != len(lines):
         raise DataError(f"{labels}: {len(labs)} labels for {len(lines)} items in {path}")
     out = []
@@ -140,9 +140,9 @@ def multiple_choice(model: nn.Module, codec, items, sep: str = " ", bp_mode: str
             preds.append(
                 dict(
                     label=it["label"],
-                    logprobs=[l for l, _ in s],
-                    pred=int(np.argmax([l for l, _ in s])),
-                    pred_norm=int(np.argmax([l / max(b, 1) for l, b in s])),
+                    logprobs=[lp for lp, _ in s],
+                    pred=int(np.argmax([lp for lp, _ in s])),
+                    pred_norm=int(np.argmax([lp / max(b, 1) for lp, b in s])),
                 )
             )
     finally:
@@ -182,7 +182,7 @@ def prompt_ids(prompt, codec, template: ChatTemplate = None) -> np.ndarray:
     if isinstance(prompt, str):
         return np.r_[[codec.bos], codec.encode(prompt)].astype(np.int64)
     if template is not None:
-        return _encode_spans(template.render(prompt, True), [], codec)[0]
+        return encode_spans(template.render(prompt, True), [], codec)[0]
     return render_conversation(prompt, codec, generation_prompt=True)[0]
 
 
@@ -283,7 +283,8 @@ def cipher_eval(
             texts = [d[: cfg.data.max_bytes or None] for d in source_documents(cfg.data, "heldout", limit=docs)]
             res["heldout"] = bits_per_byte(model, codec, texts, cfg.training.seq_len, cfg.training.batch_size)
             print(
-                f"held-out: {res['heldout']['val/bpb']:.4f} bits per byte, {res['heldout']['val/loss']:.4f} nats per target "
+                f"held-out: {res['heldout']['val/bpb']:.4f} bits per byte, "
+                f"{res['heldout']['val/loss']:.4f} nats per target "
                 f"({len(texts)} documents of data.source = {cfg.data.source})"
             )
         if mc:

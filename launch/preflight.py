@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Preflight: the checks to pass before an expensive job starts paying for GPUs.
 
-    python launch/preflight.py examples/configs/h100.yaml training.persistent_dir=/mnt/persist --gpus 8 --out runs/h100-a
+    python launch/preflight.py examples/configs/h100.yaml training.persistent_dir=/mnt/persist --gpus 8 \\
+        --out runs/h100-a
 
 One line per check (PASS / FAIL / SKIP with the figure behind it), then the verdict; exit 1 when any check fails,
 with the reasons. Checks: the config loads; GPUs are present (count, name, memory) and the requested precision runs
-on them; the run directory and the persistent checkpoint directory (`training.persistent_dir`, seed 000: never
-checkpoint only to local disk) have room for the checkpoints the run keeps; the persistent directory takes a write
-that reads back identical; a `--init` source exists and fits the stage contract; the data is reachable (one batch
-read through the real loader of this stage). `--skip-gpu` runs the rest on a machine without a GPU.
+on them; the run directory and the persistent checkpoint directory (`training.persistent_dir`; the cipher-training
+runbook: never checkpoint only to local disk) have room for the checkpoints the run keeps; the persistent directory
+takes a write that reads back identical; a `--init` source exists and fits the stage contract; the data is
+reachable (one batch read through the real loader of this stage). `--skip-gpu` runs the rest on a machine without a
+GPU.
 """
 
 import argparse
@@ -40,14 +42,18 @@ def check_gpu(cfg, want: int):
     if not torch.cuda.is_available():
         return False, (
             "no CUDA GPU visible (torch.cuda.is_available() is False; torch "
-            f"{torch.__version__}, CUDA build {torch.version.cuda}): check the driver, CUDA_VISIBLE_DEVICES and the torch wheel, "
+            f"{torch.__version__}, CUDA build {torch.version.cuda}): check the driver, CUDA_VISIBLE_DEVICES and the "
+            "torch wheel, "
             "or pass --skip-gpu to run the other checks"
         )
     n = torch.cuda.device_count()
     names = {torch.cuda.get_device_name(i) for i in range(n)}
     mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(n)) / 2**30
     choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
-    fig = f"{n} x {', '.join(sorted(names))} ({mem:.0f} GiB each); precision {cfg.training.precision} -> {choice.mode} ({choice.reason})"
+    fig = (
+        f"{n} x {', '.join(sorted(names))} ({mem:.0f} GiB each); "
+        f"precision {cfg.training.precision} -> {choice.mode} ({choice.reason})"
+    )
     if n < want:
         return False, fig + f"; need {want} (--gpus)"
     fell_back = cfg.training.precision not in ("auto", choice.mode)
@@ -78,7 +84,8 @@ def check_disk(path: Path, cfg, min_gb: float):
     need = need_gb(cfg, min_gb)
     return (
         free >= need,
-        f"{free:,.1f} GB free at {_existing(path)}, need {need:,.1f} GB ({cfg.training.keep_last} kept + best + one in flight, {checkpoint_gb(cfg):.2f} GB each)",
+        f"{free:,.1f} GB free at {_existing(path)}, need {need:,.1f} GB "
+        f"({cfg.training.keep_last} kept + best + one in flight, {checkpoint_gb(cfg):.2f} GB each)",
     )
 
 
@@ -109,7 +116,8 @@ def check_persistent(cfg, out: Path, allow_local: bool):
             return None, "training.persistent_dir is empty: checkpoints stay on local disk (--allow-local)"
         return False, (
             "training.persistent_dir is empty: checkpoints would live only on this machine's disk and die with it "
-            "(seed 000: never checkpoint only to local disk). Set training.persistent_dir=/path/on/a/persistent/volume"
+            "(the cipher-training runbook: never checkpoint only to local disk). "
+            "Set training.persistent_dir=/path/on/a/persistent/volume"
         )
     ok, fig = check_writable(Path(p))
     same_dev = os.stat(_existing(out)).st_dev == os.stat(p).st_dev
@@ -151,7 +159,8 @@ def check_data(cfg, timeout: float):
     if t.is_alive():
         return (
             False,
-            f"no batch within {timeout:g} s from data.source={cfg.data.source} {cfg.data.path}: network, credentials or the path?",
+            f"no batch within {timeout:g} s from data.source={cfg.data.source} {cfg.data.path}: "
+            "network, credentials or the path?",
         )
     if "err" in res:
         raise res["err"]

@@ -1,4 +1,5 @@
-"The MoE block's CUDA paths against a float64 per-token reference, and the no-host-sync promise (skipped without a GPU)."
+"""The MoE block's CUDA paths against a float64 per-token reference, and the no-host-sync promise (skipped without
+a GPU)."""
 
 import dataclasses
 

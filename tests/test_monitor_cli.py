@@ -1,4 +1,5 @@
-"cipher-gate as a user runs it on a run directory: a healthy run exits 0, a broken one exits 1 with the failing lines, bad input names the problem."
+"""cipher-gate as a user runs it on a run directory: a healthy run exits 0, a broken one exits 1 with the failing
+lines, bad input names the problem."""
 
 import json
 import math
@@ -49,9 +50,9 @@ def make_run(tmp_path, name, metrics, config=None):
 def table(stdout):
     "{criterion: (verdict, figure)} from cipher-gate's output."
     out = {}
-    for l in stdout.splitlines():
-        if l[:4] in ("PASS", "FAIL", "SKIP"):
-            verdict, crit, fig = re.split(r"\s{2,}", l, maxsplit=2)
+    for line in stdout.splitlines():
+        if line[:4] in ("PASS", "FAIL", "SKIP"):
+            verdict, crit, fig = re.split(r"\s{2,}", line, maxsplit=2)
             out[crit] = (verdict, fig)
     return out
 

@@ -1,4 +1,5 @@
-"Synthetic metric streams through MonitorCallback and the gate: each threat and each gate line trips alone; a healthy stream trips none."
+"""Synthetic metric streams through MonitorCallback and the gate: each threat and each gate line trips alone; a
+healthy stream trips none."""
 
 import math
 import warnings
@@ -14,7 +15,7 @@ N_STEPS, LOG_EVERY, EVAL_EVERY = 200, 10, 50
 
 
 def healthy_stats(step):
-    "Stats of a balanced 2-layer MoE (8 experts, top-2; routing sharpening) with a 3-loop core and a boundary predictor near 0.3."
+    "Stats of a balanced 2-layer MoE (8 experts, top-2; routing sharpening), a 3-loop core, a boundary rate near 0.3."
     return {
         "layer1/expert_counts": torch.full((8,), 64.0),
         "layer2/expert_counts": torch.tensor([70.0, 60, 64, 64, 60, 68, 62, 64]),
@@ -166,11 +167,11 @@ GATE_CASES = [  # (criterion index, row or stats change, populations)
 def test_each_gate_line_fails_alone(idx, change, pops):
     _, rows = drive(**change)
     lines = gate(rows, config_from_dict({}).monitor, populations=pops)
-    assert [i for i, l in enumerate(lines) if l.passed is False] == [idx], lines
+    assert [i for i, g in enumerate(lines) if g.passed is False] == [idx], lines
 
 
 def test_gate_skips_what_does_not_apply():
     _, rows = drive(row=lambda s: {k: v for k, v in healthy_row(s).items() if k != "mfu"})
     lines = gate(rows, config_from_dict({}).monitor)
-    assert [l.passed for l in lines] == [True, True, None, True, True, None, True]
+    assert [g.passed for g in lines] == [True, True, None, True, True, None, True]
     assert "CPU run" in lines[2].figure and "populations off" in lines[5].figure

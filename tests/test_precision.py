@@ -10,18 +10,14 @@ from conftest import run_cli
 
 from cipher_nb.config import Config, ModelConfig, model_config
 from cipher_nb.moe import MoE
-from cipher_nb.precision import (
-    DeviceCaps,
+from cipher_nb.optim import (
     OptimizerResetWarning,
     build_optimizer,
-    convert_model,
-    detect_precision,
     load_optimizer_state,
     optimizer_kind,
     optimizer_state,
-    probe_device,
-    probe_libs,
 )
+from cipher_nb.precision import DeviceCaps, convert_model, detect_precision, probe_device, probe_libs
 
 torch.set_num_threads(1)  # tiny matmuls: one thread avoids OpenMP spin-waits on a shared box
 
@@ -130,7 +126,7 @@ def test_convert_real_moe_trains_and_keeps_filtered_modules_high(mode):
 
 @pytest.mark.parametrize("mode", ["fp8", "mxfp8"])
 def test_cipher_model_converts(mode):
-    "A byte-level CipherModel with boundary predictor and recurrent core: the filter, the experts, forward and backward."
+    "A byte-level CipherModel with boundary predictor and recurrent core: filter, experts, forward and backward."
     from cipher_nb.model import CipherModel
 
     torch.manual_seed(0)
