@@ -7,7 +7,7 @@ through cipher_nb's own loop on the embedded standard-library corpus.
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
 
 Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `--config`, plus any `a.b=c` overrides):
-  dense      a GPT with the MoE's active path as its FFN: model.moe.n_routed=0, so d_ff = (top_k + n_shared) * expert_d_ff
+  dense      a GPT with the MoE's active path as FFN: model.moe.n_routed=0, so d_ff = (top_k + n_shared) * expert_d_ff
   moe        the config itself
   moe+bp     the MoE with the byte-level boundary predictor (model.boundary.enabled=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
@@ -19,7 +19,7 @@ process's CPU time, `--clock wall` elapsed time. The budget then buys each conte
 trains exactly that many (its own process, its cosine schedule ending at its last step), so the held-out figures do
 not depend on how busy the machine was during training: a run that happened to share its core would otherwise get
 fewer steps and a worse score. Every run also reports the clock time its training really used, as a cross-check.
-Held-out bits per byte come only from `cipher_nb.train.heldout_metrics` on the same `--eval-batches` held-out batches
+Held-out bits per byte come only from `cipher_nb.metrics.heldout_metrics` on the same `--eval-batches` held-out batches
 for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps.
 Writes `--out`.md (both tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
 """
@@ -61,23 +61,17 @@ def contender_overrides(name: str, cfg) -> list:
 
 
 def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
-    "A trainer for contender `name` (no checkpoints, no monitor: only the curriculum callback) and its overrides."
+    "A trainer for contender `name` (no checkpoints, record, monitor or callbacks: the step alone) and its overrides."
     from cipher_nb.config import load_config
-    from cipher_nb.train import CurriculumCallback, build_trainer
+    from cipher_nb.train import build_trainer
 
     over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f"training.seed={seed}"]
     cfg = load_config(a.config, [*over, f"training.max_steps={steps}"])
     tr = build_trainer(cfg, run_dir, progress=False)
-    tr.callbacks = [c for c in tr.callbacks if isinstance(c, CurriculumCallback)]
+    tr.checkpoints = tr.record = tr.monitor = None
+    tr.callbacks = []
     tr.model.train()
     return tr, over
-
-
-def _step(tr):
-    from cipher_nb.train import run_callbacks
-
-    run_callbacks(tr.callbacks, "before_step", tr)
-    tr.train_step()
 
 
 def calibrate(a, names: list) -> dict:
@@ -91,12 +85,12 @@ def calibrate(a, names: list) -> dict:
         trs = {n: contender_trainer(a, n, 0, 10**6, Path(tmp) / n)[0] for n in names}
         for tr in trs.values():
             for _ in range(a.round_steps):
-                _step(tr)  # warm-up: allocator, caches, first-call paths
+                tr.train_step()  # warm-up: allocator, caches, first-call paths
         for r in range(a.rounds):
             for n in names[r % len(names) :] + names[: r % len(names)]:
                 c0 = clock()
                 for _ in range(a.round_steps):
-                    _step(trs[n])
+                    trs[n].train_step()
                 times[n].append((clock() - c0) / a.round_steps)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
@@ -106,11 +100,10 @@ def run_one(a) -> dict:
     import torch
 
     torch.set_num_threads(a.threads)
+    from cipher_nb.codecs import build_codec
     from cipher_nb.config import load_config, param_counts
     from cipher_nb.curriculum import build_loader
-    from cipher_nb.data import build_codec
-    from cipher_nb.monitor import mem_gb
-    from cipher_nb.train import heldout_metrics
+    from cipher_nb.metrics import heldout_metrics, mem_gb
 
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +124,7 @@ def run_one(a) -> dict:
         used, wall0, curve = 0.0, time.perf_counter(), []
         while tr.step < a.steps:
             c0 = clock()
-            _step(tr)
+            tr.train_step()
             used += clock() - c0
             if tr.step in points:
                 curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))

@@ -216,11 +216,12 @@ def segment_mask(seg_doc: torch.Tensor, seg_valid: torch.Tensor) -> torch.Tensor
 
 # %% ../nbs/04_boundary.ipynb #62be1e24
 def upsample(seg_out: torch.Tensor, seg: Segments, null: torch.Tensor) -> torch.Tensor:
-    "Spread segment outputs [B, S, D] back over bytes [B, T, D]: byte t reads the last segment ended before t, else `null`."
+    "Spread segment outputs [B, S, D] over bytes [B, T, D]: byte t reads the last segment ended before t, else `null`."
     B, S, D = seg_out.shape
     if S != seg.n_segments or B != seg.seg_ids.shape[0]:
         raise ValueError(
-            f"seg_out is {tuple(seg_out.shape)} but the segments hold {seg.seg_ids.shape[0]} sequences of {seg.n_segments} segments"
+            f"seg_out is {tuple(seg_out.shape)} but the segments hold {seg.seg_ids.shape[0]} sequences "
+            f"of {seg.n_segments} segments"
         )
     T = seg.seg_ids.shape[1]
     prev = (seg.seg_ids - 1).clamp_min(0)  # [B, T]

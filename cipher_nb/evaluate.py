@@ -21,9 +21,11 @@ from fastcore.script import CliError, call_parse
 
 from . import checkpoint as ck
 from .boundary import check_bp_mode
+from .checkpointer import load_weights
+from .codecs import ByteCodec, build_codec
 from .config import ConfigError, config_from_dict
 from .core import resolve_device
-from .data import ByteCodec, DataError, build_codec, source_documents
+from .data import DataError, source_documents
 from .metrics import heldout_metrics
 from .model import CipherModel, ModelOutput
 from cipher_nb.sft import (
@@ -252,7 +254,7 @@ def load_model(path, device="cpu") -> tuple:
     lora = meta.get("mode") == "lora" and not (path / ck.EXPORT_WEIGHTS).is_file()  # exports are merged already
     if lora:
         inject_lora(model, cfg.sft.lora_rank, cfg.sft.lora_alpha, 0.0, tuple(cfg.sft.lora_targets))
-    ck.load_weights(path, model)
+    load_weights(path, model)
     if lora:
         model = merge_lora(model)
     return model.to(resolve_device(str(device))).eval(), cfg, build_codec(cfg.data)

@@ -146,14 +146,14 @@ class _FusedLinearCE(torch.autograd.Function):
 
 # %% ../nbs/06_model.ipynb #71cff089
 def fused_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    "Mean cross-entropy of `h @ weight.T` against `labels` (-100 ignored), never holding more than `chunk` rows of logits."
+    "Mean cross-entropy of `h @ weight.T` against `labels` (-100 ignored), holding at most `chunk` rows of logits."
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     return _FusedLinearCE.apply(h, weight, labels, max(1, chunk))
 
 # %% ../nbs/06_model.ipynb #2a56922f
 @dataclass
 class ModelOutput:
-    "What `CipherModel` returns: LM loss, logits (None when the loss ran in chunks), weighted aux losses, detached stats."
+    "What `CipherModel` returns: LM loss, logits (None if the loss ran in chunks), weighted aux losses, detached stats."
 
     loss: torch.Tensor = None
     logits: torch.Tensor = None
@@ -311,7 +311,7 @@ def _positions(B: int, T: int, position_ids, device):
 def forward(
     self: CipherModel, input_ids, labels=None, doc_ids=None, position_ids=None, n_loops=None, bp_mode=None
 ) -> ModelOutput:
-    "LM loss (when `labels` are given), logits (when they are not, or `loss_chunk` is 0), weighted aux losses and stats."
+    "LM loss (when `labels` are given), logits (when they are not, or `loss_chunk` is 0), weighted aux losses, stats."
     cfg, (B, T) = self.cfg, input_ids.shape
     aux, acc = {}, LayerStats()
     x = self.embed(input_ids)

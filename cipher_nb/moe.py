@@ -181,7 +181,7 @@ class _Combine(torch.autograd.Function):
 
 
 class _RowGates(torch.autograd.Function):
-    "The gate of each buffer row, gates [N*k] -> [rows] (0 on padding rows); the backward gathers each assignment's row."
+    "The gate of each buffer row, gates [N*k] -> [rows] (0 on padding rows); the backward gathers each assignment."
 
     @staticmethod
     def forward(ctx, gates, p):
@@ -254,11 +254,15 @@ class RoutedExperts(nn.Module):
             counts = expert_counts(idx, E)
         if impl == "grouped":
             p = dispatch_plan(idx, E, counts=counts)
-            mm = lambda a, w: grouped_mm(a, w.mT, p.offs)
+
+            def mm(a, w):
+                return grouped_mm(a, w.mT, p.offs)
         elif impl == "bmm":
             cap = int(counts.max())  # host sync
             p = dispatch_plan(idx, E, capacity=cap, counts=counts)
-            mm = lambda a, w: torch.bmm(a.view(E, cap, -1), w.mT).flatten(0, 1)
+
+            def mm(a, w):
+                return torch.bmm(a.view(E, cap, -1), w.mT).flatten(0, 1)
         else:
             raise ValueError(f"MoE path '{impl}' unknown: use model.moe.impl = 'auto', 'grouped', 'bmm' or 'loop'")
         by_gather = x.device.type != "cpu"
@@ -292,11 +296,13 @@ def resolve_moe_impl(impl: str, device, dtype=torch.float32, d_model: int = 8, h
             )
         if not aligned:
             raise ValueError(
-                f"model.moe.impl = 'grouped' needs model.d_model ({d_model}) and model.moe.expert_d_ff ({hidden}) divisible by 8: use 'bmm' or change them"
+                f"model.moe.impl = 'grouped' needs model.d_model ({d_model}) and model.moe.expert_d_ff ({hidden}) "
+                "divisible by 8: use 'bmm' or change them"
             )
         if dtype not in GROUPED_DTYPES:
             raise ValueError(
-                f"model.moe.impl = 'grouped' multiplies in float32, bfloat16 or float16, not {dtype}: use 'bmm' or 'auto'"
+                f"model.moe.impl = 'grouped' multiplies in float32, bfloat16 or float16, not {dtype}: "
+                "use 'bmm' or 'auto'"
             )
     return impl
 
@@ -314,7 +320,8 @@ class MoE(nn.Module):
         super().__init__()
         if cfg.moe.n_routed < 1 or not 1 <= cfg.moe.top_k <= cfg.moe.n_routed:
             raise ValueError(
-                f"MoE needs model.moe.n_routed >= 1 and 1 <= model.moe.top_k <= model.moe.n_routed, got {cfg.moe.n_routed} and {cfg.moe.top_k}"
+                "MoE needs model.moe.n_routed >= 1 and 1 <= model.moe.top_k <= model.moe.n_routed, "
+                f"got {cfg.moe.n_routed} and {cfg.moe.top_k}"
             )
         self.cfg = cfg
         E, d, h = cfg.moe.n_routed, cfg.d_model, cfg.moe.expert_d_ff
@@ -326,7 +333,7 @@ class MoE(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        "Normal(0, init_std) router and routed experts (the shared SwiGLU keeps nn.Linear's init unless the model re-inits it)."
+        "Normal(0, init_std) router and experts (the shared SwiGLU keeps nn.Linear's init unless the model re-inits)."
         for w in (self.router.weight, self.experts.w_gate, self.experts.w_up, self.experts.w_down):
             nn.init.normal_(w, std=self.cfg.init_std)
 

@@ -221,7 +221,8 @@ class RecurrentMonitor:
                     f"the state norm after loop {len(norms)} is {norms[-1] / norms[0]:.1f}x loop 1's "
                     f"({norms[-1]:.3g} vs "
                     f"{norms[0]:.3g}; limit monitor.drift_ratio = {m.drift_ratio})",
-                    "lower model.recurrence.n_loops or training.lr, backpropagate through fewer loops (model.recurrence.backprop_loops), "
+                    "lower model.recurrence.n_loops or training.lr, "
+                    "backpropagate through fewer loops (model.recurrence.backprop_loops), "
                     "check the core's output norm",
                 )
             )
@@ -233,7 +234,8 @@ class RecurrentMonitor:
                     "routing collapse in the loops",
                     step,
                     f"routing entropy {min(ent):.3f} at loop {k} is under monitor.min_entropy = {m.min_entropy}",
-                    "raise model.moe.balance_loss_weight or model.moe.bias_gamma, check the router init (model.init_std)",
+                    "raise model.moe.balance_loss_weight or model.moe.bias_gamma, "
+                    "check the router init (model.init_std)",
                 )
             )
         corr = _series(row, "loop/token_corr")
@@ -245,7 +247,8 @@ class RecurrentMonitor:
                     step,
                     f"token states correlate at {max(corr):.3f} after loop {k} "
                     f"(limit monitor.max_token_corr = {m.max_token_corr})",
-                    "lower model.recurrence.n_loops, check that the input injection reaches every loop, lower training.lr",
+                    "lower model.recurrence.n_loops, check that the input injection reaches every loop, "
+                    "lower training.lr",
                 )
             )
         return out

@@ -11,11 +11,12 @@ __all__ = ['OPTIMIZERS', 'lr_multiplier', 'param_groups', 'build_optimizer', 'op
 # %% ../nbs/08a_optim.ipynb #ff2fa6f4
 import math
 import warnings
+from typing import get_args
 
 import torch
 import torch.nn as nn
 
-from .config import Config, TrainConfig
+from .config import Config, OptimName, TrainConfig
 from .precision import quiet_imports
 
 # %% ../nbs/08a_optim.ipynb #220afdbd
@@ -42,7 +43,7 @@ def param_groups(model: nn.Module, cfg: Config) -> list:
     return list(groups.values())
 
 # %% ../nbs/08a_optim.ipynb #18ef74e9
-OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZERS = get_args(OptimName)
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:

@@ -17,17 +17,20 @@ import importlib
 import logging
 import warnings
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .config import FP8Recipe, Precision
+
 # %% ../nbs/08_precision.ipynb #a1eaff99
-PRECISIONS = ("auto", "fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4")
+PRECISIONS = get_args(Precision)  # the config field's Literal is the one list
 LOW_PRECISION = ("nvfp4", "mxfp8", "fp8")  # the fallback chain, best first; it ends at bf16
 MIN_CAPABILITY = dict(fp8=(8, 9), mxfp8=(10, 0), nvfp4=(10, 0))
-FP8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
+FP8_RECIPES = get_args(FP8Recipe)
 
 # %% ../nbs/08_precision.ipynb #3f048f32
 @dataclass(frozen=True)

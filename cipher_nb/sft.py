@@ -30,11 +30,11 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ck
-from .config import Config, ConfigError, validate
-from .core import dist_env
 from .callbacks import Callback
 from .checkpointer import is_sharded
 from .codecs import ByteCodec, build_codec
+from .config import Config, ConfigError, validate
+from .core import dist_env
 from .data import DataError, doc_hash, stdlib_docs, stdlib_files
 from .lora import check_mode, has_lora, inject_lora, merge_lora, merge_lora_state
 from .stages import StageHooks

@@ -224,6 +224,8 @@ def skip_step(self: Trainer):
 def train_step(self: Trainer) -> dict | None:
     "One optimizer step over `grad_accum` micro-batches: its metrics as tensors, or None if it was skipped."
     t = self.cfg.training
+    if self.curriculum is not None:
+        self.bp_mode = self.curriculum.bp_mode(self.step)
     set_lr(self.optimizer, lr_at(self.step, t), self.frozen_params())
     if self.batches is None:
         self.batches = iter(self.loader)
@@ -377,8 +379,6 @@ def fit(self: Trainer, progress: bool = True) -> Trainer:
         if t.eval_at_start and self.step == 0:  # the starting point (SFT: the source checkpoint)
             self.log({"step": 0, "tokens": self.tokens, **self.evaluate()})
         while self.step < t.max_steps:
-            if self.curriculum is not None:
-                self.bp_mode = self.curriculum.bp_mode(self.step)
             run_callbacks(self.callbacks, "before_step", self)
             res = self.train_step()
             if res is None:  # skipped: not finite

@@ -34,10 +34,10 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from . import checkpoint as ck
-from .config import Config, ConfigError, config_from_dict, load_config
-from .curriculum import Curriculum
 from .checkpointer import load_weights
 from .codecs import ByteCodec
+from .config import Config, ConfigError, config_from_dict, load_config
+from .curriculum import Curriculum
 from .experiments import ablation_grid as ablation_grid
 from .experiments import ablation_table as ablation_table
 from .experiments import cipher_train_script as cipher_train_script
@@ -52,7 +52,7 @@ from .experiments import train_command as train_command
 from .experiments import variant_name as variant_name
 from .model import CipherModel
 from .monitor import read_metrics
-from .train import lr_at
+from .optim import lr_at
 
 # %% ../nbs/13_viz.ipynb #6035c4b6
 def load_run(run_dir) -> tuple:

@@ -129,10 +129,10 @@ def check_persistent(cfg, out: Path, allow_local: bool):
 def check_init(cfg):
     if not cfg.stage.init:
         return None, "no --init (training from scratch)"
-    from cipher_nb import checkpoint as ck
     from cipher_nb.data import data_fingerprint  # refinement must read exactly its source's data
+    from cipher_nb.stages import check_init_source
 
-    meta = ck.check_init_source(cfg.stage.init, cfg, data_fingerprint(cfg))
+    meta = check_init_source(cfg.stage.init, cfg, data_fingerprint(cfg))
     return True, f"{cfg.stage.init}: stage {meta.get('stage')} step {meta.get('step')} -> {cfg.stage.name}"
 
 

@@ -29,7 +29,7 @@ expect() {   # expect WHAT PYTHON-CONDITION: fail the smoke run with WHAT when t
 echo "== 1. preflight"
 run "$PY" "$HERE/preflight.py" "$CONFIG" "${SETTINGS[@]}" --gpus "$NPROC" --out "$OUT" ${PREFLIGHT_ARGS:-}
 echo "== 2. $STEPS steps, killed after the checkpoint at step $HALF"
-CIPHER_FAULT_KILL_STEP=$HALF run "${TORCHRUN[@]}" --out "$OUT" || echo "(the job died after step $HALF, as planned)"
+run "${TORCHRUN[@]}" --out "$OUT" --fault "kill@$HALF" || echo "(the job died after step $HALF, as planned)"
 expect "step $HALF's checkpoint reached the persistent volume" \
   "(p := latest_checkpoint('$PERSIST/$(basename "$OUT")')) is not None and checkpoint_step(p) == $HALF"
 echo "== 3. resume from the persistent mirror into an empty run directory"

@@ -1,4 +1,4 @@
-"Run under torchrun by test_train.py: train a small model with DDP or FSDP2, then write a digest of this rank's full weights."
+"Run under torchrun by test_train.py: train a small model with DDP or FSDP2, write a digest of the rank's full weights."
 
 import hashlib
 import json

@@ -4,7 +4,7 @@ from typing import get_args
 
 import pytest
 
-from cipher_nb import boundary, config, data, moe, precision, stages
+from cipher_nb import boundary, config, data, moe, optim, precision, stages
 
 
 def names(literal) -> tuple:
@@ -18,7 +18,7 @@ PAIRS = [
     ("boundary.CAUSAL_BP_MODES", lambda: boundary.CAUSAL_BP_MODES, config.CausalBPMode),
     ("precision.PRECISIONS", lambda: precision.PRECISIONS, config.Precision),
     ("precision.FP8_RECIPES", lambda: precision.FP8_RECIPES, config.FP8Recipe),
-    ("precision.OPTIMIZERS", lambda: precision.OPTIMIZERS, config.OptimName),
+    ("optim.OPTIMIZERS", lambda: optim.OPTIMIZERS, config.OptimName),
     ("stages.STAGES", lambda: stages.STAGES, config.Stage),
     ("data source kinds", lambda: data.SOURCE_KINDS, config.Source),
 ]

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from conftest import run_cli
 
-from cipher_nb.config import Config, ModelConfig, model_config
+from cipher_nb.config import Config, model_config
 from cipher_nb.moe import MoE
 from cipher_nb.optim import (
     OptimizerResetWarning,

@@ -119,7 +119,7 @@ def test_kill_and_resume_is_bit_identical(chain, sft_run, tmp_path):
     spe = int(csv_rows(sft_run)[1]["step"])
     run = tmp_path / "killed"
     args = ["--stage", "sft", "--init", str(chain / "refinement/final"), *SFT]
-    r = train(run, *args, env={"CIPHER_FAULT_KILL_STEP": str(spe)})
+    r = train(run, *args, "--fault", f"kill@{spe}")
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     r = train(run, "--resume", "auto", *args)
     assert r.returncode == 0, r.stderr[-3000:]
