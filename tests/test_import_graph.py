@@ -71,3 +71,10 @@ def test_the_checker_sees_a_backward_import():
     src = "from cipher_nb.train import x\nfrom .data import _hidden\nimportlib.import_module('cipher_nb.sft')\n"
     found = cipher_imports(ast.parse(src))
     assert found == [("train", ["x"]), ("data", ["_hidden"]), ("sft", [])], found
+
+
+def test_the_readme_module_table_lists_every_module_in_order():
+    "The README's module map is the dependency order: every module, each with its notebook, top to bottom."
+    rows = re.findall(r"^\| (\w+) \| (\w+) \|", (ROOT / "README.md").read_text(), re.M)
+    listed = [(nb, mod) for nb, mod in rows if nb != "notebook"]
+    assert listed == sorted((nb.removesuffix(".ipynb"), m) for m, nb in MODULES.items()), listed
