@@ -1,5 +1,4 @@
-"""The hooks a trainer offers to what is optional in a run: the live dashboard, the loggers, a stage's extras, user
-code and the test-only faults.
+"""The hooks a trainer offers to what is optional in a run: the live dashboard, the loggers, a stage's extras, user code and the test-only faults.
 
 Docs: https://cipher-nb.github.io/cipher_nb/callbacks.html.md"""
 

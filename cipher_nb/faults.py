@@ -1,4 +1,4 @@
-"""Arm a checkpoint save to die or pause at a named point, so a test can kill it in the middle.
+"""Faults a test injects into a real run: a checkpoint save that dies or pauses at a named point, and the hidden `cipher-train --fault` option (a kill after a checkpoint, SIGTERM, a non-finite step, out of memory).
 
 Docs: https://cipher-nb.github.io/cipher_nb/faults.html.md"""
 

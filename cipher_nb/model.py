@@ -6,8 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/model.html.md"""
 
 # %% auto #0
 __all__ = ['RESIDUAL_OUT', 'rope_frequencies', 'rope_tables', 'apply_rope', 'attention_mask', 'Attention', 'Block',
-           'fused_cross_entropy', 'ModelOutput', 'token_similarity', 'LayerStats', 'CipherModel', 'main_stack',
-           'forward']
+           'fused_cross_entropy', 'ModelOutput', 'token_similarity', 'LayerStats', 'CipherModel']
 
 # %% ../nbs/06_model.ipynb #d9957e1d
 import math
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 
 from . import boundary as bd
 from .config import ModelConfig, flops_per_token, model_config, param_counts
@@ -272,6 +272,7 @@ def _loop_stats(states: list, entropies: list) -> dict:
     return out
 
 # %% ../nbs/06_model.ipynb #61f8222d
+@patch
 def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats, n_loops=None):
     "The main blocks over tokens (or segments): plain, or prelude -> core x n_loops -> coda. Returns x and loop stats."
     cfg = self.cfg
@@ -300,14 +301,12 @@ def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats,
     x, _ = _run(self.layers[p + c :], state, cos, sin, mask, aux, acc, p + c)
     return x, _loop_stats(states, entropies)
 
-
-CipherModel.main_stack = main_stack
-
 # %% ../nbs/06_model.ipynb #685cece5
 def _positions(B: int, T: int, position_ids, device):
     return position_ids if position_ids is not None else torch.arange(T, device=device)[None].expand(B, T)
 
 
+@patch
 def forward(
     self: CipherModel, input_ids, labels=None, doc_ids=None, position_ids=None, n_loops=None, bp_mode=None
 ) -> ModelOutput:
@@ -340,6 +339,3 @@ def forward(
         None if labels is None else F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
     )
     return ModelOutput(loss, logits, aux, stats)
-
-
-CipherModel.forward = forward

@@ -1,5 +1,4 @@
-"""From a config to a run: data, model, precision, optimizer, checkpoints, run record, monitor and evaluation wired
-into a `Trainer`, DDP / FSDP2 under `torchrun`, and `cipher-train`, which runs it all from a preset.
+"""From a config to a run: data, model, precision, optimizer, checkpoints, run record, monitor and evaluation wired into a `Trainer`, DDP / FSDP2 under `torchrun`, and `cipher-train`, which runs it all from a preset.
 
 Docs: https://cipher-nb.github.io/cipher_nb/train.html.md"""
 

@@ -1,6 +1,4 @@
-"""`Trainer`: one optimizer step at a time (gradient accumulation counted in optimizer steps, the loss averaged over
-real tokens), bf16 autocast without a scaler, global and per-group clipping, non-finite steps skipped, a clean
-stop on SIGTERM; `fit` calls the run's components in the order it reads.
+"""`Trainer`: one optimizer step at a time (gradient accumulation counted in optimizer steps, the loss averaged over real tokens), bf16 autocast without a scaler, global and per-group clipping, non-finite steps skipped, a clean stop on SIGTERM; `fit` calls the run's components in the order it reads.
 
 Docs: https://cipher-nb.github.io/cipher_nb/trainer.html.md"""
 
