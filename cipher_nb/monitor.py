@@ -25,6 +25,7 @@ import torch
 from fastcore.script import CliError, call_parse
 from torch.overrides import TorchFunctionMode
 
+from .callbacks import Callback
 from .config import Config, ConfigError, MonitorConfig, load_config
 from .metrics import mem_gb
 
@@ -405,7 +406,7 @@ def _device(model) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-class MonitorCallback:
+class MonitorCallback(Callback):
     "Trainer callback: stats-derived metrics into each log row, health warnings, evaluations for the overfit check."
 
     def __init__(self, cfg: Config, warn: bool = True):

@@ -604,7 +604,7 @@ class SFTCallback(Callback):
             with open(self.path) as f:
                 rows = [r for r in csv.DictReader(f) if trainer.step and int(r["step"]) <= trainer.step]
             self._write(rows, "w")
-        rec = getattr(trainer, "record", None)
+        rec = trainer.record
         if rec is not None and trainer.run_dir is not None:
             rec.limitations = [
                 note

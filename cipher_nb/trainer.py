@@ -84,6 +84,7 @@ class Trainer:
         curriculum=None,
         monitor=None,
         eval_fn=None,
+        heldout=(),  # the held-out batches eval_fn reads
         record=None,
         checkpoints=None,
         callbacks=(),  # optional extras: dashboard, loggers, a stage's callbacks, user hooks, test faults
@@ -100,7 +101,7 @@ class Trainer:
         self.scaler = scaler
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         # the components fit calls
-        self.curriculum, self.monitor, self.eval_fn = curriculum, monitor, eval_fn
+        self.curriculum, self.monitor, self.eval_fn, self.heldout = curriculum, monitor, eval_fn, list(heldout)
         self.record, self.checkpoints, self.callbacks = record, checkpoints, list(callbacks)
         # parameters the step treats apart
         names = dict(self.raw_model.named_parameters())

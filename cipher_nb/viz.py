@@ -34,6 +34,7 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from . import checkpoint as ck
+from .callbacks import Callback
 from .checkpointer import load_weights
 from .codecs import ByteCodec
 from .config import Config, ConfigError, config_from_dict, load_config
@@ -520,7 +521,7 @@ def dashboard_figure(rows: list, threats: list = (), cfg: Config = None, title: 
     return fig
 
 # %% ../nbs/13_viz.ipynb #6c5d1fe8
-class LiveDashboard:
+class LiveDashboard(Callback):
     "Trainer callback: loss, throughput, expert load and warnings redrawn on log steps (a widget or RUN/dashboard.png)."
 
     def __init__(self, every: int = 1, path=None, widget: bool = None, dpi: int = 80):
