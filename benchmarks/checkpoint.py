@@ -24,9 +24,10 @@ from torch import nn
 
 from cipher_nb.checkpoint import STATE, checkpoint_name, load_checkpoint, save_checkpoint
 from cipher_nb.checkpointer import Checkpointer, checkpoint_meta, restore_training_state, training_state
-from cipher_nb.config import load_config, param_counts
+from cipher_nb.config import load_config
 from cipher_nb.core import resolve_device
 from cipher_nb.export import compare_state_dicts
+from cipher_nb.sizing import param_counts
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from cipher_nb.codecs import train_bpe
-from cipher_nb.config import flops_per_token, load_config
+from cipher_nb.config import load_config
 from cipher_nb.data import stdlib_docs
 from cipher_nb.loader import Packer, mixture_loader
+from cipher_nb.sizing import flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 H100_BF16 = 989e12  # dense bf16 FLOP/s of an H100 SXM

@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 from fastcore.script import CliError, call_parse
 
-from cipher_nb.config import flops_per_token, load_config, param_counts
+from cipher_nb.config import load_config
 from cipher_nb.core import autocast, resolve_device, seed_everything
 from cipher_nb.model import CipherModel
 from cipher_nb.optim import build_optimizer
 from cipher_nb.precision import convert_model, detect_precision, probe_device, probe_libs
+from cipher_nb.sizing import flops_per_token, param_counts
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = [

@@ -101,9 +101,10 @@ def run_one(a) -> dict:
 
     torch.set_num_threads(a.threads)
     from cipher_nb.codecs import build_codec
-    from cipher_nb.config import load_config, param_counts
+    from cipher_nb.config import load_config
     from cipher_nb.curriculum import build_loader
     from cipher_nb.metrics import heldout_metrics, mem_gb
+    from cipher_nb.sizing import param_counts
 
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:

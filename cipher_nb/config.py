@@ -10,8 +10,7 @@ __all__ = ['RouterScore', 'MoEKernel', 'MoEImpl', 'CausalBPMode', 'BPMode', 'BPL
            'MoEConfig', 'RecurrenceConfig', 'BoundaryConfig', 'ModelConfig', 'DataConfig', 'TrainConfig', 'OptimConfig',
            'StageConfig', 'MonitorConfig', 'SFTConfig', 'Config', 'ConfigError', 'upgrade_keys', 'build_section',
            'config_from_dict', 'model_config', 'validate', 'apply_overrides', 'load_config', 'save_config',
-           'critical_dict', 'config_hash', 'critical_diff', 'param_counts', 'flops_per_token', 'describe',
-           'cipher_config']
+           'critical_dict', 'config_hash', 'critical_diff']
 
 # %% ../nbs/01_config.ipynb #4220b6fb
 import copy
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from fastcore.script import CliError, call_parse
 
 # %% ../nbs/01_config.ipynb #3c5d0f4d
 RouterScore = Literal["softmax", "sigmoid"]
@@ -611,89 +609,3 @@ def critical_diff(a: Config, b: Config) -> list:
     "Training-critical keys whose values differ between `a` and `b`."
     da, db = critical_dict(a), critical_dict(b)
     return sorted(k for k in da if da[k] != db[k])
-
-# %% ../nbs/01_config.ipynb #e57ce2d1
-def _block_params(m: ModelConfig, moe: bool) -> tuple:
-    "(total, active) parameters of one transformer block."
-    a, e = m.attention, m.moe
-    attn = m.d_model * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
-    norms = 2 * m.d_model
-    if not moe:
-        ffn = 3 * m.d_model * m.dense_d_ff
-        return attn + norms + ffn, attn + norms + ffn
-    expert = 3 * m.d_model * e.expert_d_ff
-    router = m.d_model * e.n_routed
-    shared = e.n_shared * expert
-    return attn + norms + router + shared + e.n_routed * expert, attn + norms + router + shared + e.top_k * expert
-
-
-def _is_moe(m: ModelConfig, i: int) -> bool:
-    return m.moe.n_routed > 0 and i >= m.moe.n_dense_layers
-
-
-def param_counts(m: ModelConfig) -> dict:
-    "Total and per-token active parameters, with and without the embedding and head."
-    blocks = [_block_params(m, _is_moe(m, i)) for i in range(m.n_layers)]
-    total, active = sum(b[0] for b in blocks), sum(b[1] for b in blocks)
-    if m.recurrence.enabled:
-        total += 2 * m.d_model * m.d_model
-        active += 2 * m.d_model * m.d_model  # input injection
-    if m.boundary.enabled:
-        byte = 2 * m.boundary.n_byte_layers * _block_params(m, False)[0]
-        bp = m.d_model * m.d_model + m.d_model + m.d_model + 1 + m.d_model  # MLP d->d->1 and the null segment
-        total += byte + bp
-        active += byte + bp
-    embed = m.vocab * m.d_model
-    head = 0 if m.tie_embeddings else m.vocab * m.d_model
-    total += m.d_model
-    active += m.d_model  # final norm
-    # every token's logits use the whole output matrix (the tied embedding or the head); the input lookup is free
-    return dict(
-        total=total + embed + head,
-        active=active + m.vocab * m.d_model,
-        non_embedding=total,
-        active_non_embedding=active,
-    )
-
-# %% ../nbs/01_config.ipynb #12eae808
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    "Training FLOPs per token (forward + backward): 6 x active matmul parameters plus attention (PaLM's estimate)."
-    pc, r, a, b = param_counts(m), m.recurrence, m.attention, m.boundary
-    loops = r.n_loops if r.enabled else 1
-    core = 0
-    if r.enabled:  # the core's blocks run n_loops times
-        core_blocks = [_block_params(m, _is_moe(m, i))[1] for i in range(r.n_prelude, r.n_prelude + r.n_core)]
-        core = (loops - 1) * sum(core_blocks)
-    attn_layers = m.n_layers + (loops - 1) * r.n_core
-    main_len = seq_len * (b.rate if b.enabled else 1)
-    attn = 12 * attn_layers * a.n_heads * a.head_dim * main_len
-    if b.enabled:
-        attn += 12 * 2 * b.n_byte_layers * a.n_heads * a.head_dim * seq_len
-    return 6 * (pc["active_non_embedding"] + core + (m.vocab * m.d_model)) + attn
-
-# %% ../nbs/01_config.ipynb #b6c8ed7e
-def describe(cfg: Config) -> str:
-    "The resolved config as YAML, then parameter counts, FLOPs per token and the hash."
-    pc = param_counts(cfg.model)
-    fpt = flops_per_token(cfg.model, cfg.training.seq_len)
-    lines = [
-        yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
-        f"# parameters: {pc['total']:,} total, {pc['active']:,} active per token "
-        f"({pc['non_embedding']:,} / {pc['active_non_embedding']:,} without embeddings)",
-        f"# training FLOPs per token: {fpt:.3g}",
-        f"# config hash: {config_hash(cfg)}",
-    ]
-    return "\n".join(lines)
-
-
-@call_parse(pos=["path"])
-def cipher_config(
-    path: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)
-    *overrides: str,  # section.key=value overrides, e.g. model.moe.top_k=4
-):
-    "Print a preset's resolved config, parameter counts and hash; exit 1 with the reason if it is invalid."
-    try:
-        cfg = load_config(path, overrides)
-    except ConfigError as e:
-        raise CliError(f"invalid config: {e}")
-    print(describe(cfg))

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from . import boundary as bd
-from .config import ModelConfig, flops_per_token, model_config, param_counts
+from .config import ModelConfig, model_config
 from .moe import MoE, SwiGLU
+from .sizing import flops_per_token, param_counts
 
 # %% ../nbs/06_model.ipynb #03b0c918
 def rope_frequencies(

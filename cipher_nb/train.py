@@ -28,7 +28,7 @@ from . import checkpoint as ck
 from .callbacks import Callback
 from .checkpointer import Checkpointer, checkpoint_meta, load_weights, restore_training_state, training_state
 from .codecs import build_codec
-from .config import Config, ConfigError, flops_per_token, load_config, save_config
+from .config import Config, ConfigError, load_config, save_config
 from .core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
 from .curriculum import Curriculum
 from .data import DataError, data_fingerprint
@@ -41,6 +41,7 @@ from .optim import build_optimizer, optimizer_kind
 from .precision import convert_model, detect_precision
 from .record import run_record
 from .sft import SFTHooks
+from .sizing import flops_per_token
 from .stages import StageHooks, check_init_source, check_resume
 from .trainer import NonFiniteError, Trainer
 

@@ -62,7 +62,7 @@ def check_gpu(cfg, want: int):
 
 def checkpoint_gb(cfg) -> float:
     "Size of one training checkpoint: fp32 weights and AdamW's two moments (8-bit AdamW: two bytes of moments)."
-    from cipher_nb.config import param_counts
+    from cipher_nb.sizing import param_counts
 
     n = param_counts(cfg.model)["total"]
     return n * (4 + (2 if cfg.optim.name == "adamw8bit" else 8)) / GB
