@@ -6,6 +6,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# a model small enough for a process-level test to train in seconds
+SMALL_MODEL = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.attention.n_heads=2",
+    "model.attention.n_kv_heads=1",
+    "model.attention.head_dim=32",
+    "model.moe.n_routed=4",
+    "model.moe.expert_d_ff=64",
+]
+
 
 def run_cli(*args, timeout=600, env=None, cwd=None):
     "Run a console script (or python -m module) in a subprocess; return the CompletedProcess."

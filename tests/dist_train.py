@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from conftest import SMALL_MODEL  # this script runs from tests/
 
 from cipher_nb.config import load_config
 from cipher_nb.train import build_trainer
@@ -15,13 +16,7 @@ out, parallel = Path(sys.argv[1]), sys.argv[2]
 cfg = load_config(
     None,
     [
-        "model.d_model=64",
-        "model.n_layers=2",
-        "model.attention.n_heads=2",
-        "model.attention.n_kv_heads=1",
-        "model.attention.head_dim=32",
-        "model.moe.n_routed=4",
-        "model.moe.expert_d_ff=64",
+        *SMALL_MODEL,
         "training.seq_len=64",
         "training.batch_size=4",
         "training.eval_batches=2",

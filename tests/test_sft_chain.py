@@ -10,17 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, SMALL_MODEL, run_cli
 
-MODEL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.attention.n_heads=2",
-    "model.attention.n_kv_heads=1",
-    "model.attention.head_dim=32",
-    "model.moe.n_routed=4",
-    "model.moe.expert_d_ff=64",
-]
+MODEL = SMALL_MODEL
 PRETRAIN = [
     *MODEL,
     "training.seq_len=128",

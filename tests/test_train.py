@@ -11,16 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, SMALL_MODEL, run_cli
 
 SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.attention.n_heads=2",
-    "model.attention.n_kv_heads=1",
-    "model.attention.head_dim=32",
-    "model.moe.n_routed=4",
-    "model.moe.expert_d_ff=64",
+    *SMALL_MODEL,
     "training.seq_len=64",
     "training.batch_size=4",
     "training.eval_batches=2",
