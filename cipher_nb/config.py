@@ -168,6 +168,8 @@ class DataConfig:
     tokenizer: str = ""  # path to a tokenizer.json when codec = tokenizer
     max_bytes: int = 8192  # a document is truncated to this many bytes; 0 = whole documents
     heldout_frac: float = 0.05  # documents held out for validation, chosen by hash
+    heldout_path: str = ""  # a separate held-out file or glob (then no training document is held out)
+    heldout_tail_bytes: int = 0  # hold out the last N bytes of each training file (a corpus of one file)
     doc_mask: bool = True  # emit doc_ids so attention stays inside a document
     num_workers: int = 0
     sources: dict = _dict()  # named sources for the curriculum: name -> {source, path, ...}
@@ -229,6 +231,7 @@ class StageConfig:
     name: Stage = "pretrain"
     source_stage: SourceStage = ""  # the stage of the checkpoint given to --init
     init: str = ""  # weights-only start
+    allow_unpinned: bool = False  # let refinement start from a hub source without a pinned revision
 
 
 @dataclass
@@ -502,7 +505,8 @@ def validate(cfg: Config) -> Config:
             t.warmup_steps < t.max_steps,
             f"training.warmup_steps ({t.warmup_steps}) must be below training.max_steps ({t.max_steps})",
         ),
-        (t.min_lr <= t.lr, f"training.min_lr ({t.min_lr}) cannot exceed training.lr ({t.lr})"),
+        (t.lr > 0, f"training.lr ({t.lr}) must be positive"),
+        (0 <= t.min_lr <= t.lr, f"training.min_lr ({t.min_lr}) must lie in [0, training.lr ({t.lr})]"),
         (
             t.batch_size >= 1 and t.grad_accum >= 1,
             f"training.batch_size ({t.batch_size}) and training.grad_accum ({t.grad_accum}) must be at least 1",
@@ -512,6 +516,10 @@ def validate(cfg: Config) -> Config:
             f"data.max_bytes ({cfg.data.max_bytes}) cannot be negative (0 keeps whole documents)",
         ),
         (0 <= cfg.data.heldout_frac < 1, f"data.heldout_frac ({cfg.data.heldout_frac}) must lie in [0, 1)"),
+        (
+            cfg.data.heldout_tail_bytes >= 0,
+            f"data.heldout_tail_bytes ({cfg.data.heldout_tail_bytes}) cannot be negative (0 holds out no tail)",
+        ),
         (0 <= cfg.data.bp_fixed_frac <= 1, f"data.bp_fixed_frac ({cfg.data.bp_fixed_frac}) must lie in [0, 1]"),
         (cfg.data.num_workers >= 0, f"data.num_workers ({cfg.data.num_workers}) cannot be negative"),
         (len(cfg.optim.betas) == 2, f"optim.betas must hold two numbers, got {cfg.optim.betas}"),
@@ -576,7 +584,13 @@ def load_config(path=None, overrides=()) -> Config:
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file '{p}' does not exist; presets live in examples/configs/")
-        d = yaml.safe_load(p.read_text()) or {}
+        try:
+            d = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" line {where.line + 1}, column {where.column + 1}" if where else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"config file '{p}'{at}: not valid YAML ({problem}); fix the file or start from a preset")
     return config_from_dict(apply_overrides(d, overrides))
 
 
