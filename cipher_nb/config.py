@@ -244,7 +244,8 @@ class MonitorConfig:
     max_load_ratio: float = cosmetic(2.0)
     max_overlap: float = cosmetic(0.3)
     max_grad_norm: float = cosmetic(10.0)
-    min_mfu: float = cosmetic(0.7)
+    min_mfu: float = cosmetic(0.7)  # shown beside the GPU utilisation line (information, not judged)
+    min_gpu_util: float = cosmetic(70.0)  # percent of time the GPU is busy (NVML), the gate's utilisation line
     gate_steps: int = cosmetic(100)
     bp_rate_tol: float = cosmetic(0.1)
     slow_mfu: float = cosmetic(0.5)  # warn when MFU falls under this (the runbook flags under 50% GPU use)
