@@ -128,8 +128,7 @@ def lr_at(step: int, t: TrainConfig) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 # %% ../nbs/08a_optim.ipynb #1533d81b
-def set_lr(optimizer, lr: float, frozen: set = frozenset()):
-    "Give every group `lr * lr_mult`; groups whose parameters are all in `frozen` get 0 (requires_grad untouched)."
+def set_lr(optimizer, lr: float):
+    "Give every parameter group `lr * lr_mult` (its multiplier from `optim.lr_mult`)."
     for g in optimizer.param_groups:
-        is_frozen = bool(frozen) and all(id(p) in frozen for p in g["params"])
-        g["lr"] = 0.0 if is_frozen else lr * g.get("lr_mult", 1.0)
+        g["lr"] = lr * g.get("lr_mult", 1.0)

@@ -153,7 +153,43 @@ def test_out_of_memory_exits_3_and_keeps_the_last_checkpoint(tmp_path):
 
 def test_a_bad_fault_spec_is_one_clear_line(tmp_path):
     r = train(tmp_path / "run", "--max-steps", "2", *SMALL, "--fault", "explode@3")
-    assert r.returncode != 0 and "explode" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "explode" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # a usage error writes nothing
+
+
+def test_a_fresh_run_into_a_run_directory_is_refused_then_overwritten(tmp_path):
+    run = tmp_path / "run"
+    assert train(run, "--max-steps", "2", *SMALL).returncode == 0
+    first = (run / "metrics.jsonl").read_text()
+    r = train(run, "--max-steps", "2", *SMALL)
+    assert r.returncode == 2 and "--resume auto" in r.stderr and "--overwrite" in r.stderr, r.stderr[-2000:]
+    assert (run / "metrics.jsonl").read_text() == first  # nothing appended
+    r = train(run, "--max-steps", "2", *SMALL, "--overwrite")
+    assert r.returncode == 0 and (tmp_path / "run.prev/metrics.jsonl").read_text() == first, r.stderr[-2000:]
+    assert (run / "final/model.safetensors").exists()
+
+
+def test_exit_codes_config_error_and_failed_run(tmp_path):
+    r = train(tmp_path / "bad", "--max-steps", "2", *SMALL, "model.moe.top_k=40")
+    assert r.returncode == 2 and "model.moe.top_k" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "bad").exists()
+    run = tmp_path / "run"
+    r = train(run, "--max-steps", "6", *SMALL, "training.max_nonfinite=1", "--fault", "nonfinite@2")
+    assert r.returncode == 1 and "non-finite" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_short_smoke_run_shortens_the_warmup(tmp_path):
+    "--max-steps 3 with the default 30 warmup steps runs, and says it shortened the warmup."
+    r = train(tmp_path / "run", "--max-steps", "3", *SMALL_MODEL, "training.seq_len=64", "training.batch_size=4")
+    assert r.returncode == 0 and "warmup_steps shortened from 30 to 0" in r.stderr, r.stderr[-2000:]
+
+
+def test_no_heldout_data_logs_no_val_metrics(tmp_path):
+    run = tmp_path / "run"
+    r = train(run, "--max-steps", "4", *SMALL, "data.heldout_frac=0", "training.eval_every=2")
+    assert r.returncode == 0 and "no held-out data" in r.stderr, r.stderr[-2000:]
+    assert not any(k.startswith("val/") for x in rows(run) for k in x)
+    assert "held-out" not in r.stderr.split("run finished")[-1]  # no held-out figure in the summary
 
 
 def test_resume_with_a_changed_lr_is_refused(tmp_path):
