@@ -27,7 +27,7 @@ from . import checkpoint as ck
 from .config import Config, ConfigError, config_hash, load_config
 from .monitor import read_metrics
 from .record import checkpoint_hash
-from .train import build_trainer, resolve_run
+from .train import build_trainer, claim_run_dir, resolve_run
 
 # %% ../nbs/12a_experiments.ipynb #e46563d2
 def train_command(config: str = None, overrides=(), **flags) -> str:
@@ -71,26 +71,15 @@ def finished_run(run_dir, cfg: Config) -> bool:
     except (ValueError, ck.CheckpointError):
         return False
 
-
-def _clear(run_dir: Path):
-    if not run_dir.exists():
-        return
-    if any(run_dir.iterdir()) and not ((run_dir / "config.yaml").exists() or (run_dir / "metrics.jsonl").exists()):
-        raise FileExistsError(
-            f"'{run_dir}' is not empty and is not a run directory (no config.yaml or metrics.jsonl): "
-            "choose another out folder"
-        )
-    shutil.rmtree(run_dir)
-
 # %% ../nbs/12a_experiments.ipynb #08cabcfc
-def run_once(cfg: Config, run_dir, callbacks=(), progress: bool = False, command=None) -> Path:
+def run_once(cfg: Config, run_dir, callbacks=(), progress: bool = False, command=None, overwrite: bool = False) -> Path:
     "Train `cfg` into `run_dir` (in process, or `command` as a subprocess) unless it already holds this finished run."
     run_dir = Path(run_dir)
     with _locked(run_dir.parent / f".{run_dir.name}.lock"):
         if finished_run(run_dir, cfg):
-            print(f"{run_dir}: finished run of this config found, reused (delete the folder to train it again)")
+            print(f"{run_dir}: a finished run of this config is there: reused (overwrite=True trains it again)")
             return run_dir
-        _clear(run_dir)
+        claim_run_dir(run_dir, overwrite)
         if command is None:
             build_trainer(cfg, run_dir, callbacks=callbacks, progress=progress).fit(progress=progress)
         else:
@@ -108,8 +97,9 @@ def run_stage(config: str = None, overrides=(), callbacks=(), progress: bool = F
             "run_stage starts or reuses runs; to continue a stopped one use cipher-train --out RUN --resume auto"
         )
     flags.pop("quiet", None)
+    overwrite = flags.pop("overwrite", False)
     cfg, run_dir = resolve_run(config, overrides, **flags)
-    return run_once(cfg, run_dir, callbacks, progress)
+    return run_once(cfg, run_dir, callbacks, progress, overwrite=overwrite)
 
 # %% ../nbs/12a_experiments.ipynb #76e9ad3f
 def ablation_grid(axes: dict) -> list:
@@ -140,7 +130,13 @@ def cipher_train_script() -> str:
 
 
 def run_ablation(
-    grid: list, root, config: str = None, overrides=(), subprocess: bool = False, progress: bool = False
+    grid: list,
+    root,
+    config: str = None,
+    overrides=(),
+    subprocess: bool = False,
+    progress: bool = False,
+    overwrite=False,
 ) -> dict:
     "Train each variant (overrides on top of `config` and `overrides`) into ROOT/<variant_name>; {name: run_dir}."
     runs = {}
@@ -161,7 +157,7 @@ def run_ablation(
                 str(run_dir),
                 "--quiet",
             ]
-        runs[name] = run_once(cfg, run_dir, progress=progress, command=cmd)
+        runs[name] = run_once(cfg, run_dir, progress=progress, command=cmd, overwrite=overwrite)
     return runs
 
 # %% ../nbs/12a_experiments.ipynb #eefc3b59

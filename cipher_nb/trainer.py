@@ -319,7 +319,8 @@ def log_row(self: Trainer, window: list, seconds: float) -> dict:
     if self.gpu_util is not None:
         row["gpu_util"] = self.gpu_util.read()
     if self.bp_params:
-        row["bp/mode"], row["bp/frozen"] = self.bp_mode or self.cfg.model.boundary.mode, self.bp_frozen
+        last = self.step - 1  # the state of the window's last step
+        row["bp/mode"], row["bp/frozen"] = self.bp_mode or self.cfg.model.boundary.mode, last < self.bp_freeze_steps
     if self.curriculum is not None and len(self.curriculum.phases) > 1:
         row["curriculum/phase"] = self.curriculum.phase(self.step - 1)
     return row
