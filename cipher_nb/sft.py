@@ -136,8 +136,8 @@ def load_conversations(source: str, split: str = "train") -> list:
         return local_conversations(p, str(source))
     if not p.exists() and (p.suffix in (".json", ".jsonl") or str(source).startswith(("/", ".", "~"))):
         raise FileNotFoundError(
-            f"sft.data = '{source}': no such file ({p.resolve()}): check the path, or leave sft.data empty to train "
-            "on the embedded stdlib Q&A"
+            f"sft.data = '{source}': no such file{'' if p.is_absolute() else f' ({p.resolve()})'}: check the path, "
+            "or leave sft.data empty to train on the embedded stdlib Q&A"
         )
     from datasets import load_dataset
 
