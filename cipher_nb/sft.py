@@ -154,7 +154,9 @@ def load_conversations(source: str, split: str = "train") -> list:
         ) from None
     except ValueError as e:  # a parse or decode error inside the dataset's files
         hint = "re-encode its files as UTF-8" if isinstance(e, UnicodeDecodeError) else "fix or remove the bad record"
-        raise DataError(f"{where}: the dataset cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); {hint}") from None
+        raise DataError(
+            f"{where}: the dataset cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); {hint}"
+        ) from None
     if not out:
         raise DataError(f"{where}: the dataset has no records in split '{split}'")
     return out
