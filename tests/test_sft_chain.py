@@ -183,3 +183,17 @@ def test_torchrun_fsdp_lora_matches_one_process(chain, sft_run, tmp_path):
         "wv",
         "wo",
     }
+
+
+def test_bad_sft_data_is_one_clear_line(tmp_path):
+    "A broken sft.data file stops cipher-train with one line naming the file, before anything is written."
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"instruction": "café", "output": "x"}\n'.encode("latin-1"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    for bad, fragment in ((latin1, "line 1, byte offset 20"), (empty, "the file is empty")):
+        run = tmp_path / f"run-{bad.stem}"
+        r = train(run, "--stage", "sft", "--init", str(tmp_path / "no-source/final"), *SFT, f"sft.data={bad}")
+        assert r.returncode != 0 and str(bad) in r.stderr and fragment in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and r.stderr.strip().startswith("cipher-train: "), r.stderr[-2000:]
+        assert not run.exists()  # nothing half-written
