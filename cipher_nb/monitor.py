@@ -114,7 +114,7 @@ def expert_load_metrics(counts, top_k: int = 1, prefix: str = "") -> dict:
 
 # %% ../nbs/07_monitor.ipynb #b5bbd684
 _LAYER_KEY = re.compile(r"layer(\d+)/(.+)")
-_LAYER_NAMES = {"router_entropy": "entropy", "router_lse": "lse"}
+_LAYER_NAMES = {"router_entropy": "entropy", "router_mean_entropy": "mean_entropy", "router_lse": "lse"}
 
 
 def _expand(name: str, v, out: dict):
@@ -234,7 +234,8 @@ class RecurrentMonitor:
                 Threat(
                     "routing collapse in the loops",
                     step,
-                    f"routing entropy {min(ent):.3f} at loop {k} is under monitor.min_entropy = {m.min_entropy}",
+                    f"batch-averaged routing entropy {min(ent):.3f} at loop {k} "
+                    f"is under monitor.min_entropy = {m.min_entropy}",
                     "raise model.moe.balance_loss_weight or model.moe.bias_gamma, "
                     "check the router init (model.init_std)",
                 )
@@ -424,7 +425,9 @@ class MonitorCallback(Callback):
     def on_log(self, trainer, metrics: dict):
         if not getattr(trainer, "is_main", True):
             return
-        stats = getattr(getattr(trainer, "last_out", None), "stats", None) or {}
+        stats = (  # every micro-batch of the window; a trainer without them: the last micro-batch
+            getattr(trainer, "window_stats", None) or getattr(getattr(trainer, "last_out", None), "stats", None) or {}
+        )
         for k, v in collect_metrics({**stats, **self._norms}, self.cfg.model.moe.top_k).items():
             metrics.setdefault(k, v)
         self._norms = {}
@@ -443,7 +446,8 @@ class MonitorCallback(Callback):
                 continue
             self.warnings.append(t)
             if self.warn:
-                warnings.warn(str(t), HealthWarning, stacklevel=3)
+                # no source file and line: the default format prints no code line after the message
+                warnings.warn_explicit(str(t), HealthWarning, "<cipher_nb.monitor>", 0, "cipher_nb.monitor")
         self._active[kind] = {t.name for t in threats}
 
 # %% ../nbs/07_monitor.ipynb #659215e8
