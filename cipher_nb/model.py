@@ -234,15 +234,15 @@ class CipherModel(nn.Module):
 
 # %% ../nbs/06_model.ipynb #a0a9c167
 def _run(blocks, x, cos, sin, mask, aux: dict, acc: LayerStats, offset: int):
-    "Run `blocks` in order; add their aux losses to `aux` and stats to `acc`; return x and their router entropies."
+    "Run `blocks` in order; add aux losses to `aux`, stats to `acc`; return x and (mean, token) router entropies."
     ents = []
     for i, blk in enumerate(blocks):
         x, a, s = blk(x, cos, sin, mask)
         for k, v in a.items():
             aux[k] = aux.get(k, 0) + v
         acc.add(offset + i, s)
-        if "router_entropy" in s:
-            ents.append(s["router_entropy"])
+        if "router_mean_entropy" in s:
+            ents.append(torch.stack([s["router_mean_entropy"], s["router_entropy"]]))
     return x, ents
 
 
@@ -257,7 +257,7 @@ def _loop_count(cfg: ModelConfig, training: bool, n_loops) -> int:
 
 
 def _loop_stats(states: list, entropies: list) -> dict:
-    "Per-loop state norm, relative change, token similarity and routing entropy, as [loops] tensors."
+    "Per-loop state norm, relative change, token similarity and routing entropies, as [loops] tensors."
     norms = torch.stack([s.float().norm(dim=-1).mean() for s in states])
     zero = torch.zeros((), device=states[0].device)
     res = torch.stack(
@@ -269,7 +269,8 @@ def _loop_stats(states: list, entropies: list) -> dict:
         "loop/token_corr": torch.stack([token_similarity(s) for s in states]),
     }
     if entropies:
-        out["loop/entropy"] = torch.stack(entropies)
+        ents = torch.stack(entropies)  # [loops, 2]: batch-averaged, per-token
+        out["loop/entropy"], out["loop/token_entropy"] = ents[:, 0], ents[:, 1]
     return out
 
 # %% ../nbs/06_model.ipynb #61f8222d
@@ -297,7 +298,7 @@ def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats,
                 p,
             )
         if ents:
-            entropies.append(torch.stack(ents).mean())
+            entropies.append(torch.stack(ents).mean(0))  # over the core's MoE layers
         states.append(state.detach())
     x, _ = _run(self.layers[p + c :], state, cos, sin, mask, aux, acc, p + c)
     return x, _loop_stats(states, entropies)

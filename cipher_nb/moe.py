@@ -314,7 +314,7 @@ def _in_backward() -> bool:
 
 # %% ../nbs/05_moe.ipynb #c4d614b1
 class MoE(nn.Module):
-    "Routed + shared SwiGLU experts with fp32 routing, loss-free balancing, weighted aux losses and statistics."
+    "Routed + shared SwiGLU experts with fp32 (fp64) routing, loss-free balancing, weighted aux losses and statistics."
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -348,15 +348,16 @@ def forward(self: MoE, x):
     if x.shape[-1] != c.d_model:
         raise ValueError(f"MoE input has {x.shape[-1]} features, model.d_model is {c.d_model}")
     xf = x.reshape(-1, c.d_model)  # [N, d]
+    rdt = torch.float64 if self.router.weight.dtype == torch.float64 else torch.float32  # routing dtype
     with torch.autocast(x.device.type, enabled=False):
-        logits = F.linear(xf.float(), self.router.weight.float())  # [N, E] fp32
+        logits = F.linear(xf.to(rdt), self.router.weight.to(rdt))  # [N, E] fp32 (fp64 for a float64 model)
     scores, idx, gates = route(
         logits,
         c.moe.top_k,
         c.moe.router_score,
         c.moe.router_renorm,
         c.moe.route_scale,
-        self.expert_bias.float() if c.moe.bias_balance else None,
+        self.expert_bias.to(rdt) if c.moe.bias_balance else None,
     )
     counts = expert_counts(idx, c.moe.n_routed)  # [E]
     if self.training and not _in_backward():
@@ -395,7 +396,13 @@ def _stats(self: MoE, logits, lse, scores, idx, gates, counts) -> dict:
     "Detached statistics for the monitor (no host sync)."
     c = self.cfg
     p = router_probs(scores, c.moe.router_score)
-    s = dict(expert_counts=counts.float(), router_entropy=-torch.xlogy(p, p).sum(-1).mean(), router_lse=lse.mean())
+    pm = p.mean(0)  # [E] the batch's routing distribution
+    s = dict(
+        expert_counts=counts.float(),
+        router_entropy=-torch.xlogy(p, p).sum(-1).mean(),
+        router_mean_entropy=-torch.xlogy(pm, pm).sum(),
+        router_lse=lse.mean(),
+    )
     if c.moe.n_pop_a > 0:
         s["cross_pop_overlap"] = cross_pop_overlap(gates.float(), idx, c.moe.n_pop_a)
     return s

@@ -114,7 +114,7 @@ def expert_load_metrics(counts, top_k: int = 1, prefix: str = "") -> dict:
 
 # %% ../nbs/07_monitor.ipynb #b5bbd684
 _LAYER_KEY = re.compile(r"layer(\d+)/(.+)")
-_LAYER_NAMES = {"router_entropy": "entropy", "router_lse": "lse"}
+_LAYER_NAMES = {"router_entropy": "entropy", "router_mean_entropy": "mean_entropy", "router_lse": "lse"}
 
 
 def _expand(name: str, v, out: dict):
@@ -234,7 +234,8 @@ class RecurrentMonitor:
                 Threat(
                     "routing collapse in the loops",
                     step,
-                    f"routing entropy {min(ent):.3f} at loop {k} is under monitor.min_entropy = {m.min_entropy}",
+                    f"batch-averaged routing entropy {min(ent):.3f} at loop {k} "
+                    f"is under monitor.min_entropy = {m.min_entropy}",
                     "raise model.moe.balance_loss_weight or model.moe.bias_gamma, "
                     "check the router init (model.init_std)",
                 )
@@ -424,7 +425,9 @@ class MonitorCallback(Callback):
     def on_log(self, trainer, metrics: dict):
         if not getattr(trainer, "is_main", True):
             return
-        stats = getattr(getattr(trainer, "last_out", None), "stats", None) or {}
+        stats = (  # every micro-batch of the window; a trainer without them: the last micro-batch
+            getattr(trainer, "window_stats", None) or getattr(getattr(trainer, "last_out", None), "stats", None) or {}
+        )
         for k, v in collect_metrics({**stats, **self._norms}, self.cfg.model.moe.top_k).items():
             metrics.setdefault(k, v)
         self._norms = {}
@@ -443,7 +446,8 @@ class MonitorCallback(Callback):
                 continue
             self.warnings.append(t)
             if self.warn:
-                warnings.warn(str(t), HealthWarning, stacklevel=3)
+                # no source file and line: the default format prints no code line after the message
+                warnings.warn_explicit(str(t), HealthWarning, "<cipher_nb.monitor>", 0, "cipher_nb.monitor")
         self._active[kind] = {t.name for t in threats}
 
 # %% ../nbs/07_monitor.ipynb #659215e8
@@ -453,6 +457,7 @@ class GateLine(NamedTuple):
     criterion: str
     passed: object
     figure: str
+    reads: str = ""  # the logged metrics it reads
 
 
 def _points(rows: list, key: str) -> list:
@@ -479,25 +484,37 @@ def gate_loss_fell(rows: list, m: MonitorConfig) -> GateLine:
         (s, v) for s, v in _points(rows, "loss") if math.isfinite(v) and (_num(s) is None or _num(s) <= m.gate_steps)
     ]
     if len(pts) < 2:
-        return GateLine(name, False, f"{len(pts)} finite loss value(s) logged in those steps; need at least 2")
+        return GateLine(name, False, f"{len(pts)} finite loss value(s) logged in those steps; need at least 2", "loss")
     head, tail = pts[0][1], _tail_mean([v for _, v in pts])
-    return GateLine(
-        name, tail < head, f"{head:.4g} at step {pts[0][0]} -> {tail:.4g} (last quarter, to step {pts[-1][0]})"
-    )
+    fig = f"{head:.4g} at step {pts[0][0]} -> {tail:.4g} (last quarter, to step {pts[-1][0]})"
+    return GateLine(name, tail < head, fig, "loss")
+
+
+def _skips(rows: list) -> list:
+    "(step, count) of the skipped steps: each of `skipped_at`, else the row's step and its `skipped` count."
+    windowed, out, before = any("skipped_total" in r or "skipped_at" in r for r in rows), [], 0
+    for r in rows:
+        at, n = r.get("skipped_at"), _num(r.get("skipped")) or 0
+        if isinstance(at, list) and at:
+            out += [(s, 1) for s in at]
+        elif (n if windowed else n - before) > 0:  # older runs logged `skipped` as the running total
+            out.append((r.get("step"), int(n if windowed else n - before)))
+        before = n
+    return out
 
 
 def gate_finite(rows: list, m: MonitorConfig) -> GateLine:
-    "No loss or gradient norm is NaN or infinite anywhere in the run."
+    "No step skipped as non-finite, and no loss or gradient norm NaN or infinite anywhere in the run."
     checked = [(r.get("step"), k, r[k]) for r in rows for k in _loss_keys(r) if _num(r[k]) is not None]
-    bad = [(s, k) for s, k, v in checked if _nonfinite(v)]
-    fig = (
-        f"{len(checked)} values finite"
-        if not bad
-        else f"{len(bad)} non-finite: "
-        + ", ".join(f"{k} at step {s}" for s, k in bad[:3])
-        + (", ..." if len(bad) > 3 else "")
-    )
-    return GateLine("no NaN or inf in the losses and gradient norm", not bad, fig)
+    skips = _skips(rows)
+    bad = [f"skipped step {s}" if n == 1 else f"{n} skipped by step {s}" for s, n in skips]
+    bad += [f"{k} at step {s}" for s, k, v in checked if _nonfinite(v)]
+    fig = f"{len(checked)} values finite, no step skipped"
+    if bad:
+        fig = f"{sum(n for _, n in skips)} skipped, {len(bad) - len(skips)} non-finite: " + ", ".join(bad[:3])
+        fig += ", ..." if len(bad) > 3 else ""
+    reads = "skipped_at, skipped, loss, loss/*, grad_norm"
+    return GateLine("no skipped step, no NaN or inf in the losses and gradient norm", not bad, fig, reads)
 
 
 def _utilisation(rows: list, layer: int) -> float | None:
@@ -515,7 +532,7 @@ def gate_load(rows: list, m: MonitorConfig) -> GateLine:
     name = f"max expert load under {m.max_load_ratio:g}x the mean in every layer"
     layers = _layer_ids(rows, "max_load")
     if not layers:
-        return GateLine(name, None, "no router/layerN_max_load logged (no MoE layer)")
+        return GateLine(name, None, "no router/layerN_max_load logged (no MoE layer)", "router/layerN_max_load")
     peak = {i: _tail_mean([v for _, v in _points(rows, f"router/layer{i}_max_load")]) for i in layers}  # per batch
     util = {i: _utilisation(rows, i) for i in layers}
     load = {i: peak[i] if util[i] is None else util[i] for i in layers}  # runs without per-expert loads: the peaks
@@ -525,11 +542,9 @@ def gate_load(rows: list, m: MonitorConfig) -> GateLine:
         if util[worst] is None
         else f"loads over the last quarter; per-batch peak {peak[worst]:.2f}x"
     )
-    return GateLine(
-        name,
-        all(v < m.max_load_ratio for v in load.values()),
-        f"worst layer {worst}: {load[worst]:.2f}x over {len(layers)} layer(s), {how}",
-    )
+    fig = f"worst layer {worst}: {load[worst]:.2f}x over {len(layers)} layer(s), {how}"
+    reads = "router/layerN_load_E, router/layerN_max_load"
+    return GateLine(name, all(v < m.max_load_ratio for v in load.values()), fig, reads)
 
 # %% ../nbs/07_monitor.ipynb #42acb833
 def gate_router_learning(rows: list, m: MonitorConfig) -> GateLine:
@@ -537,50 +552,56 @@ def gate_router_learning(rows: list, m: MonitorConfig) -> GateLine:
     name = "routing entropy falling while loss falls (router learning)"
     layers = _layer_ids(rows, "entropy")
     if not layers:
-        return GateLine(name, None, "no router/layerN_entropy logged (no MoE layer)")
+        return GateLine(name, None, "no router/layerN_entropy logged (no MoE layer)", "router/layerN_entropy")
     pts = []
     for r in rows:
         loss, ent = _num(r.get("loss")), [_num(r.get(f"router/layer{i}_entropy")) for i in layers]
         if loss is not None and math.isfinite(loss) and None not in ent:
             pts.append((loss, sum(ent) / len(ent)))
     if len(pts) < 2:
-        return GateLine(name, False, f"{len(pts)} row(s) with both loss and routing entropy; need at least 2")
+        fig = f"{len(pts)} row(s) with both loss and routing entropy; need at least 2"
+        return GateLine(name, False, fig, "router/layerN_entropy, loss")
     (l0, e0), lt, et = pts[0], _tail_mean([loss for loss, _ in pts]), _tail_mean([e for _, e in pts])
-    return GateLine(name, et < e0 and lt < l0, f"entropy {e0:.3f} -> {et:.3f}, loss {l0:.4g} -> {lt:.4g}")
+    fig = f"entropy {e0:.3f} -> {et:.3f}, loss {l0:.4g} -> {lt:.4g}"
+    return GateLine(name, et < e0 and lt < l0, fig, "router/layerN_entropy, loss")
 
 
 def gate_overlap(rows: list, m: MonitorConfig, populations=None) -> GateLine:
     "Cross-population overlap under `monitor.max_overlap` (only when the experts form two populations)."
-    name = f"cross-population overlap under {m.max_overlap:g}"
+    name, reads = f"cross-population overlap under {m.max_overlap:g}", "router/cross_pop_overlap"
     pts = [v for _, v in _points(rows, "router/cross_pop_overlap")]
     if populations is None:
         populations = bool(pts)
     if not populations:
-        return GateLine(name, None, "populations off (model.moe.n_pop_a = 0)")
+        return GateLine(name, None, "populations off (model.moe.n_pop_a = 0)", reads)
     if not pts:
-        return GateLine(name, False, "populations on, but no router/cross_pop_overlap logged")
+        return GateLine(name, False, "populations on, but no router/cross_pop_overlap logged", reads)
     tail = _tail_mean(pts)
-    return GateLine(name, tail < m.max_overlap, f"{tail:.3f}, last quarter")
+    return GateLine(name, tail < m.max_overlap, f"{tail:.3f}, last quarter", reads)
 
 # %% ../nbs/07_monitor.ipynb #ea2026fe
 def gate_grad_norm(rows: list, m: MonitorConfig) -> GateLine:
-    "The gradient norm stayed under `monitor.max_grad_norm` at every logged step."
-    name = f"gradient norm under {m.max_grad_norm:g}"
+    "The gradient norm, each row's maximum over its window's steps, stayed under `monitor.max_grad_norm`."
+    name, reads = f"gradient norm under {m.max_grad_norm:g}", "grad_norm (max of each log window)"
     pts = _points(rows, "grad_norm")
     if not pts:
-        return GateLine(name, False, "no grad_norm logged")
+        return GateLine(name, False, "no grad_norm logged", reads)
     s, g = max(pts, key=lambda p: p[1] if math.isfinite(p[1]) else math.inf)
-    return GateLine(name, math.isfinite(g) and g < m.max_grad_norm, f"max {g:.3g} at step {s}")
+    return GateLine(name, math.isfinite(g) and g < m.max_grad_norm, f"max {g:.3g} at step {s}", reads)
 
 
 def gate_utilisation(rows: list, m: MonitorConfig) -> GateLine:
-    "On GPU runs, utilisation over `monitor.min_mfu`, with MFU as the (stricter) proxy."
-    name = f"GPU utilisation over {m.min_mfu:.0%} (MFU as the proxy)"
-    pts = [v for _, v in _points(rows, "mfu")]
-    if not pts:
-        return GateLine(name, None, "CPU run: no MFU logged (or a GPU missing from PEAK_BF16_FLOPS)")
-    tail = _tail_mean(pts)
-    return GateLine(name, tail > m.min_mfu, f"MFU {tail:.1%}, last quarter")
+    "On GPU runs, NVML's busy time `gpu_util` over `monitor.min_gpu_util` percent; MFU shown beside it, not judged."
+    name, reads = f"GPU utilisation over {m.min_gpu_util:g}%", "gpu_util; mfu as information"
+    util, mf = [v for _, v in _points(rows, "gpu_util")], [v for _, v in _points(rows, "mfu")]
+    info = ""
+    if mf:
+        t = _tail_mean(mf)
+        info = f"; MFU {t:.1%}, {'over' if t > m.min_mfu else 'under'} monitor.min_mfu = {m.min_mfu:.0%} (not judged)"
+    if not util:
+        return GateLine(name, None, "CPU run (or no NVML): no gpu_util logged" + info, reads)
+    tail = _tail_mean(util)
+    return GateLine(name, tail > m.min_gpu_util, f"busy {tail:.0f}% of the time (NVML), last quarter" + info, reads)
 
 # %% ../nbs/07_monitor.ipynb #ab8dff56
 def gate(rows: list, mcfg: MonitorConfig, populations=None) -> list:
@@ -602,9 +623,13 @@ def gate_passed(lines: list) -> bool:
 
 
 def format_gate(lines: list) -> str:
-    "One `PASS`/`FAIL`/`SKIP` line per criterion with its figure, then the verdict."
+    "One `PASS`/`FAIL`/`SKIP` line per criterion with its figure and the metrics it reads, then the verdict."
     w = max(len(g.criterion) for g in lines)
-    out = [f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[g.passed] }  {g.criterion:<{w}}  {g.figure}" for g in lines]
+    out = [
+        f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[g.passed] }  {g.criterion:<{w}}  {g.figure}"
+        + (f"  [reads {g.reads}]" if g.reads else "")
+        for g in lines
+    ]
     n = {v: sum(g.passed is v for g in lines) for v in (True, False, None)}
     out.append(
         f"gate {'PASS' if gate_passed(lines) else 'FAIL'}: {n[True]} passed, {n[False]} failed, {n[None]} skipped"

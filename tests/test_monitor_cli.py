@@ -53,6 +53,8 @@ def table(stdout):
     for line in stdout.splitlines():
         if line[:4] in ("PASS", "FAIL", "SKIP"):
             verdict, crit, fig = re.split(r"\s{2,}", line, maxsplit=2)
+            fig, _, reads = fig.partition("  [reads ")
+            assert reads.endswith("]"), line  # every line names the metrics it reads
             out[crit] = (verdict, fig)
     return out
 
@@ -62,7 +64,10 @@ def test_healthy_run_passes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     t = table(r.stdout)
     assert len(t) == 7 and {v for v, _ in t.values()} == {"PASS", "SKIP"}
-    assert t["GPU utilisation over 70% (MFU as the proxy)"][0] == "SKIP"  # a CPU run logs no MFU
+    assert t["GPU utilisation over 70%"][0] == "SKIP"  # a CPU run logs no gpu_util
+    assert (
+        "[reads gpu_util; mfu as information]" in r.stdout and "[reads grad_norm (max of each log window)]" in r.stdout
+    )
     assert t["cross-population overlap under 0.3"] == ("SKIP", "populations off (model.moe.n_pop_a = 0)")
     assert "gate PASS: 5 passed, 0 failed, 2 skipped" in r.stdout
 
@@ -71,6 +76,7 @@ def test_broken_run_fails_naming_the_lines(tmp_path):
     bad = rows(
         loss=lambda s: float("nan") if s == 70 else 5 - s / 100,
         grad_norm=lambda s: 35.0 if s == 60 else 1.0,
+        gpu_util=lambda s: 30.0,
         mfu=lambda s: 0.3,
     )
     r = run_cli(cli(), str(make_run(tmp_path, "bad", bad)))
@@ -78,12 +84,13 @@ def test_broken_run_fails_naming_the_lines(tmp_path):
     t = table(r.stdout)
     fails = sorted(c for c, (v, _) in t.items() if v == "FAIL")
     assert fails == [
-        "GPU utilisation over 70% (MFU as the proxy)",
+        "GPU utilisation over 70%",
         "gradient norm under 10",
-        "no NaN or inf in the losses and gradient norm",
+        "no skipped step, no NaN or inf in the losses and gradient norm",
     ]
     assert t["gradient norm under 10"][1] == "max 35 at step 60"
-    assert "loss at step 70" in t["no NaN or inf in the losses and gradient norm"][1]
+    assert "loss at step 70" in t["no skipped step, no NaN or inf in the losses and gradient norm"][1]
+    assert t["GPU utilisation over 70%"][1].startswith("busy 30% of the time")
     assert "gate FAIL" in r.stdout
 
 
@@ -110,3 +117,40 @@ def test_bad_input_is_a_clear_error(tmp_path):
     assert r.returncode == 1 and "holds no metrics" in r.stderr
     r = run_cli(cli(), str(make_run(tmp_path, "badcfg", rows(), {"monitor": {"max_grad_norms": 3}})))
     assert r.returncode == 1 and "did you mean 'monitor.max_grad_norm'" in r.stderr
+
+
+def trainer_rows(n=150, every=10, norms=None, skipped_at=None):
+    "Rows as the trainer writes them: grad_norm the max over each window's steps, grad_norm_mean the mean, skips."
+    norms, skipped_at, out = norms or {}, skipped_at or [], []
+    for r in rows(n, every):
+        g = [norms.get(s, 0.9) for s in range(r["step"] - every + 1, r["step"] + 1)]
+        at = [s for s in skipped_at if r["step"] - every < s <= r["step"]]
+        done = [s for s in skipped_at if s <= r["step"]]
+        r.update(
+            grad_norm=max(g), grad_norm_mean=sum(g) / every, skipped=len(at), skipped_total=len(done), skipped_at=at
+        )
+        out.append(r)
+    return out
+
+
+def test_one_step_spike_in_a_window_fails_the_grad_norm_line(tmp_path):
+    spike = trainer_rows(norms={55: 50.0})
+    assert spike[5]["grad_norm_mean"] < 10  # the mean over the window would hide it
+    r = run_cli(cli(), str(make_run(tmp_path, "spike", spike)))
+    t = table(r.stdout)
+    assert r.returncode == 1 and t["gradient norm under 10"] == ("FAIL", "max 50 at step 60")
+    r = run_cli(cli(), str(make_run(tmp_path, "calm", trainer_rows())))
+    assert r.returncode == 0, r.stdout
+
+
+def test_skipped_step_fails_and_is_named(tmp_path):
+    r = run_cli(cli(), str(make_run(tmp_path, "skip", trainer_rows(skipped_at=[47]))))
+    verdict, fig = table(r.stdout)["no skipped step, no NaN or inf in the losses and gradient norm"]
+    assert r.returncode == 1 and verdict == "FAIL" and "skipped step 47" in fig
+
+
+def test_gpu_utilisation_is_read_from_gpu_util(tmp_path):
+    busy = rows(gpu_util=lambda s: 92.0, mfu=lambda s: 0.35)
+    r = run_cli(cli(), str(make_run(tmp_path, "busy", busy)))
+    verdict, fig = table(r.stdout)["GPU utilisation over 70%"]
+    assert r.returncode == 0 and verdict == "PASS" and "busy 92%" in fig and "MFU 35.0%, under monitor.min_mfu" in fig

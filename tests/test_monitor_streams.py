@@ -35,6 +35,7 @@ def healthy_row(step):
         "loss/z": 1e-3,
         "grad_norm": 1.0,
         "mfu": 0.75,
+        "gpu_util": 85.0,
         "tok_per_s": 5e4,
     }
 
@@ -144,7 +145,7 @@ GATE_CASES = [  # (criterion index, row or stats change, populations)
         None,
     ),  # flat for the first 100 steps, falls later
     (1, dict(row=with_row(**{"loss__z": lambda s: float("inf") if s == 30 else 1e-3})), None),
-    (2, dict(row=with_row(mfu=lambda s: 0.4)), None),
+    (2, dict(row=with_row(gpu_util=lambda s: 40.0)), None),
     (
         3,
         dict(stats=with_stats(layer1__expert_counts=lambda s: torch.tensor([150.0, 40, 40, 40, 40, 100, 50, 52]))),
@@ -160,6 +161,7 @@ GATE_CASES = [  # (criterion index, row or stats change, populations)
     (5, dict(stats=with_stats(layer1__cross_pop_overlap=lambda s: torch.tensor(0.45))), None),
     (5, dict(), True),
     (6, dict(row=with_row(grad_norm=lambda s: 11.0 if s == 190 else 1.0)), None),
+    (1, dict(row=with_row(skipped=lambda s: int(s == 90), skipped_at=lambda s: [83] if s == 90 else [])), None),
 ]
 
 
@@ -171,7 +173,39 @@ def test_each_gate_line_fails_alone(idx, change, pops):
 
 
 def test_gate_skips_what_does_not_apply():
-    _, rows = drive(row=lambda s: {k: v for k, v in healthy_row(s).items() if k != "mfu"})
+    _, rows = drive(row=lambda s: {k: v for k, v in healthy_row(s).items() if k not in ("mfu", "gpu_util")})
     lines = gate(rows, config_from_dict({}).monitor)
     assert [g.passed for g in lines] == [True, True, None, True, True, None, True]
     assert "CPU run" in lines[2].figure and "populations off" in lines[5].figure
+
+
+def test_low_mfu_is_information_not_a_gate_failure():
+    _, rows = drive(row=with_row(mfu=lambda s: 0.3))
+    line = gate(rows, config_from_dict({}).monitor)[2]
+    assert line.passed is True and "MFU 30.0%, under monitor.min_mfu" in line.figure
+
+
+def test_load_metrics_come_from_the_whole_window():
+    "The trainer's window_stats (every micro-batch) win over the last micro-batch's; fakes without them fall back."
+    skewed = {"layer1/expert_counts": torch.tensor([60.0, 0, 0, 0, 0, 0, 0, 4])}
+    window = {"layer1/expert_counts": torch.full((8,), 8.0)}
+    found, rows = drive(stats=lambda s: skewed)  # no window_stats: the last micro-batch decides
+    assert [t.name for t in found] == ["expert collapse"] and rows[0]["router/layer1_max_load"] == 7.5
+    cfg = config_from_dict({"model": {"n_routed": 8, "top_k": 2}})
+    cb = MonitorCallback(cfg, warn=False)
+    tr = SimpleNamespace(cfg=cfg, model=None, step=10, last_out=SimpleNamespace(stats=skewed), window_stats=window)
+    row = {"step": 10, "loss": 2.0}
+    cb.on_log(tr, row)
+    assert row["router/layer1_max_load"] == 1.0 and cb.warnings == []
+
+
+def test_health_warning_is_one_line():
+    found, _ = drive(**CASES["gradient explosion"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MonitorCallback(config_from_dict({})).on_log(
+            SimpleNamespace(step=1, last_out=None, model=None), {"step": 1, "grad_norm": 99.0}
+        )
+    (w,) = caught
+    text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
+    assert text.count("\n") == 1 and "gradient explosion at step 1" in text and "Fix: " in text
