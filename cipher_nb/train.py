@@ -36,7 +36,7 @@ from .curriculum import Curriculum
 from .data import DataError, data_fingerprint
 from .export import export_model
 from .faults import FaultCallback, parse_faults
-from .metrics import device_peak_flops, heldout_metrics
+from .metrics import GPUUtilization, device_peak_flops, heldout_metrics
 from .model import CipherModel
 from .monitor import MonitorCallback
 from .optim import build_optimizer, optimizer_kind
@@ -275,6 +275,7 @@ def build_trainer(
         record=record,
         checkpoints=RunCheckpoints(cfg, run_dir, loader, fingerprint, codec_info, hooks.export_model),
         callbacks=[*hooks.callbacks(cfg, run_dir), *logger_callbacks(cfg, run_dir, env.is_main), *callbacks],
+        gpu_util=GPUUtilization(device).start() if device.type == "cuda" else None,
         flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len),
         peak_flops=device_peak_flops(device),
     )

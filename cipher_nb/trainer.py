@@ -316,8 +316,9 @@ def log_row(self: Trainer, window: list, seconds: float) -> dict:
     fpt = self.flops_per_token
     row["mfu"] = mfu(row["tok_per_s"], fpt, self.peak_flops, self.env.world_size) if fpt else None
     row["mem_gb"] = mem_gb(self.device)
-    if self.gpu_util is not None:
-        row["gpu_util"] = self.gpu_util.read()
+    busy = self.gpu_util.read() if self.gpu_util is not None else None
+    if busy is not None:
+        row["gpu_util"] = busy
     if self.bp_params:
         last = self.step - 1  # the state of the window's last step
         row["bp/mode"], row["bp/frozen"] = self.bp_mode or self.cfg.model.boundary.mode, last < self.bp_freeze_steps
@@ -476,5 +477,7 @@ def fit(self: Trainer, progress: bool = True) -> Trainer:
         self.export()
     if self.checkpoints is not None:
         self.checkpoints.close()  # wait for a background save
+    if self.gpu_util is not None:
+        self.gpu_util.stop()
     run_callbacks(self.callbacks, "on_end", self)
     return self
