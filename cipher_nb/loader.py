@@ -18,7 +18,7 @@ from fastcore.basics import patch
 from .codecs import ByteCodec, build_codec
 from .config import Config, ConfigError
 from .core import dist_env
-from .data import PIECE_BYTES, iter_pieces, open_stream, prepare_sources, seed_of, source_specs
+from .data import PIECE_BYTES, doc_size, iter_pieces, open_stream, prepare_sources, seed_of, split_sources
 
 # %% ../nbs/02b_loader.ipynb #8525b6ad
 def _uniform(names):
@@ -48,7 +48,7 @@ class Packer:
         d, t = cfg.data, cfg.training
         self.B, self.T, self.grad_accum, self.max_bytes = t.batch_size, t.seq_len, t.grad_accum, d.max_bytes
         self.codec = codec or build_codec(d)
-        self.specs = source_specs(d)
+        self.specs, frac, tail = split_sources(d, split)  # the held-out split may read its own files
         self.names = sorted(self.specs)
         self.worker, self.n_workers, self.block = (
             worker,
@@ -60,7 +60,7 @@ class Packer:
         self.finite = split == "heldout" or epochs is not None
         self.mix = mix if mix is not None else _NO_MIX
         self.streams = {
-            n: open_stream(s, split, self.g, self.n, t.seed, d.heldout_frac, epochs) for n, s in self.specs.items()
+            n: open_stream(s, split, self.g, self.n, t.seed, frac, epochs, tail) for n, s in self.specs.items()
         }
         self.st = dict(
             batches=0, docs=0, serial=0, carry=None, cur=None, done=[], counts={n: 0 for n in self.names}, truncated=0
@@ -138,8 +138,7 @@ def _next_piece(self: Packer, step: int):
         self.st["docs"] += 1
         self.st["serial"] += 1
         self.st["counts"][name] += 1
-        size = len(doc) if isinstance(doc, (bytes, bytearray)) else doc.stat().st_size
-        if self.max_bytes and size > self.max_bytes:
+        if self.max_bytes and doc_size(doc) > self.max_bytes:
             self.st["truncated"] += 1
         self.st["cur"] = dict(source=name, pos=pos, off=0)
         self._pieces = self._doc_pieces(doc)
