@@ -25,7 +25,7 @@ import numpy as np
 
 from . import checkpoint as ck
 from .config import Config, ConfigError, config_hash, load_config
-from .monitor import read_metrics
+from .gate import read_metrics
 from .record import checkpoint_hash
 from .train import build_trainer, claim_run_dir, resolve_run
 

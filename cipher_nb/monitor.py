@@ -1,4 +1,4 @@
-"""Metrics from the model's detached `stats`, health checks for routing and recurrence, the cipher-training runbook's threat matrix as warnings that carry their fix, and the verification gate behind `cipher-gate`.
+"""Metrics from the model's detached `stats`, health checks for routing and recurrence, and the cipher-training runbook's threat matrix as warnings that carry their fix; the verification gate that reads a finished run is `cipher_nb.gate`.
 
 Docs: https://cipher-nb.github.io/cipher_nb/monitor.html.md"""
 
@@ -6,27 +6,22 @@ Docs: https://cipher-nb.github.io/cipher_nb/monitor.html.md"""
 
 # %% auto #0
 __all__ = ['HostSyncCounter', 'to_host', 'expert_load_metrics', 'expert_loads', 'collect_metrics', 'group_grad_norms',
-           'HealthWarning', 'Threat', 'RecurrentMonitor', 'nonfinite_loss', 'expert_collapse', 'grad_explosion',
-           'slow_training', 'boundary_rate_off', 'overfitting', 'ThreatMatrix', 'MonitorCallback', 'GateLine',
-           'gate_loss_fell', 'gate_finite', 'gate_load', 'gate_router_learning', 'gate_overlap', 'gate_grad_norm',
-           'gate_utilisation', 'gate', 'gate_passed', 'format_gate', 'read_metrics', 'cipher_gate']
+           'HealthWarning', 'Threat', 'as_number', 'RecurrentMonitor', 'nonfinite', 'loss_keys', 'nonfinite_loss',
+           'expert_collapse', 'grad_explosion', 'slow_training', 'boundary_rate_off', 'overfitting', 'ThreatMatrix',
+           'MonitorCallback']
 
 # %% ../nbs/07_monitor.ipynb #31fd31e2
-import json
 import math
 import re
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import NamedTuple
 
 import torch
-from fastcore.script import CliError, call_parse
 from torch.overrides import TorchFunctionMode
 
 from .callbacks import Callback
-from .config import Config, ConfigError, MonitorConfig, load_config
+from .config import Config, MonitorConfig
 from .metrics import mem_gb
 
 # %% ../nbs/07_monitor.ipynb #35e50705
@@ -185,7 +180,7 @@ class Threat:
         return f"{self.name} at step {self.step}: {self.message}. Fix: {self.fix}"
 
 
-def _num(x):
+def as_number(x):
     "`x` as a float when it is a number (a JSON null or a missing value gives None)."
     if isinstance(x, bool) or x is None:
         return None
@@ -199,7 +194,7 @@ def _series(row: dict, name: str) -> list:
     "The values `name_1, name_2, ...` of a metrics row, in loop order."
     out, k = [], 1
     while f"{name}_{k}" in row:
-        out.append(_num(row[f"{name}_{k}"]))
+        out.append(as_number(row[f"{name}_{k}"]))
         k += 1
     return [x for x in out if x is not None]
 
@@ -256,20 +251,20 @@ class RecurrentMonitor:
         return out
 
 # %% ../nbs/07_monitor.ipynb #7bc358d2
-def _nonfinite(x) -> bool:
+def nonfinite(x) -> bool:
     "A logged number that is NaN or infinite (a missing value or JSON null is not)."
-    v = _num(x)
+    v = as_number(x)
     return v is not None and not math.isfinite(v)
 
 
-def _loss_keys(row: dict) -> list:
+def loss_keys(row: dict) -> list:
     "The keys of a row the non-finite check covers: every loss, the gradient norm."
     return [k for k in row if k in ("loss", "grad_norm", "val/loss") or k.startswith("loss/")]
 
 
 def nonfinite_loss(row: dict, m: MonitorConfig):
     "Threat when a loss or the gradient norm is NaN or infinite."
-    bad = [k for k in _loss_keys(row) if _nonfinite(row[k])]
+    bad = [k for k in loss_keys(row) if nonfinite(row[k])]
     if not bad:
         return None
     return Threat(
@@ -285,7 +280,7 @@ def expert_collapse(row: dict, m: MonitorConfig):
     hot = {
         k: v
         for k, v in row.items()
-        if re.fullmatch(r"router/layer\d+_max_util", k) and (_num(v) or 0) > m.collapse_frac
+        if re.fullmatch(r"router/layer\d+_max_util", k) and (as_number(v) or 0) > m.collapse_frac
     }
     if not hot:
         return None
@@ -301,7 +296,7 @@ def expert_collapse(row: dict, m: MonitorConfig):
 
 def grad_explosion(row: dict, m: MonitorConfig):
     "Threat when the gradient norm exceeds `monitor.max_grad_norm`."
-    g = _num(row.get("grad_norm"))
+    g = as_number(row.get("grad_norm"))
     if g is None or not math.isfinite(g) or g <= m.max_grad_norm:
         return None
     return Threat(
@@ -314,7 +309,7 @@ def grad_explosion(row: dict, m: MonitorConfig):
 # %% ../nbs/07_monitor.ipynb #c3a855bd
 def slow_training(row: dict, m: MonitorConfig):
     "Threat when MFU is under `monitor.slow_mfu` or tokens/s under `monitor.min_tok_per_s` (when set)."
-    u, tps, seen = _num(row.get("mfu")), _num(row.get("tok_per_s")), []
+    u, tps, seen = as_number(row.get("mfu")), as_number(row.get("tok_per_s")), []
     if u is not None and u < m.slow_mfu:
         seen.append(f"MFU {u:.1%} under monitor.slow_mfu = {m.slow_mfu:.0%}")
     if m.min_tok_per_s > 0 and tps is not None and tps < m.min_tok_per_s:
@@ -332,7 +327,7 @@ def slow_training(row: dict, m: MonitorConfig):
 
 def boundary_rate_off(row: dict, m: MonitorConfig, target):
     "Threat when the boundary rate is further than `monitor.bp_rate_tol` from its target."
-    r = _num(row.get("bp/rate"))
+    r = as_number(row.get("bp/rate"))
     if target is None or r is None or abs(r - target) <= m.bp_rate_tol:
         return None
     return Threat(
@@ -382,7 +377,7 @@ class ThreatMatrix:
         ]
         if self.rows_seen:
             found.append(slow_training(row, m))  # the first row pays for start-up
-        loss = _num(row.get("loss"))
+        loss = as_number(row.get("loss"))
         if loss is not None and math.isfinite(loss):
             self._train.append(loss)
         self.rows_seen += 1
@@ -390,7 +385,7 @@ class ThreatMatrix:
 
     def check_eval(self, row: dict) -> list:
         "The threats an evaluation row shows: a non-finite validation loss, overfitting."
-        val = _num(row.get("val/loss"))
+        val = as_number(row.get("val/loss"))
         if val is None:
             return []
         if not math.isfinite(val):
@@ -449,242 +444,3 @@ class MonitorCallback(Callback):
                 # no source file and line: the default format prints no code line after the message
                 warnings.warn_explicit(str(t), HealthWarning, "<cipher_nb.monitor>", 0, "cipher_nb.monitor")
         self._active[kind] = {t.name for t in threats}
-
-# %% ../nbs/07_monitor.ipynb #659215e8
-class GateLine(NamedTuple):
-    "One criterion of the verification gate: `passed` is True, False, or None when skipped."
-
-    criterion: str
-    passed: object
-    figure: str
-    reads: str = ""  # the logged metrics it reads
-
-
-def _points(rows: list, key: str) -> list:
-    "(step, value) for every row holding a number under `key`, in file order."
-    return [(r.get("step"), v) for r in rows if (v := _num(r.get(key))) is not None]
-
-
-def _tail_mean(vals: list) -> float:
-    "Mean of the last quarter of `vals` (at least one value)."
-    t = vals[-max(1, len(vals) // 4) :]
-    return sum(t) / len(t)
-
-
-def _layer_ids(rows: list, metric: str) -> list:
-    "Layer numbers N for which some row holds `router/layerN_{metric}`."
-    pat = re.compile(rf"router/layer(\d+)_{metric}")
-    return sorted({int(m.group(1)) for r in rows for k in r if (m := pat.fullmatch(k))})
-
-# %% ../nbs/07_monitor.ipynb #c6d82fdb
-def gate_loss_fell(rows: list, m: MonitorConfig) -> GateLine:
-    "The loss at the end of the first `monitor.gate_steps` steps is below the first logged loss."
-    name = f"loss fell over the first {m.gate_steps} steps"
-    pts = [
-        (s, v) for s, v in _points(rows, "loss") if math.isfinite(v) and (_num(s) is None or _num(s) <= m.gate_steps)
-    ]
-    if len(pts) < 2:
-        return GateLine(name, False, f"{len(pts)} finite loss value(s) logged in those steps; need at least 2", "loss")
-    head, tail = pts[0][1], _tail_mean([v for _, v in pts])
-    fig = f"{head:.4g} at step {pts[0][0]} -> {tail:.4g} (last quarter, to step {pts[-1][0]})"
-    return GateLine(name, tail < head, fig, "loss")
-
-
-def _skips(rows: list) -> list:
-    "(step, count) of the skipped steps: each of `skipped_at`, else the row's step and its `skipped` count."
-    windowed, out, before = any("skipped_total" in r or "skipped_at" in r for r in rows), [], 0
-    for r in rows:
-        at, n = r.get("skipped_at"), _num(r.get("skipped")) or 0
-        if isinstance(at, list) and at:
-            out += [(s, 1) for s in at]
-        elif (n if windowed else n - before) > 0:  # older runs logged `skipped` as the running total
-            out.append((r.get("step"), int(n if windowed else n - before)))
-        before = n
-    return out
-
-
-def gate_finite(rows: list, m: MonitorConfig) -> GateLine:
-    "No step skipped as non-finite, and no loss or gradient norm NaN or infinite anywhere in the run."
-    checked = [(r.get("step"), k, r[k]) for r in rows for k in _loss_keys(r) if _num(r[k]) is not None]
-    skips = _skips(rows)
-    bad = [f"skipped step {s}" if n == 1 else f"{n} skipped by step {s}" for s, n in skips]
-    bad += [f"{k} at step {s}" for s, k, v in checked if _nonfinite(v)]
-    fig = f"{len(checked)} values finite, no step skipped"
-    if bad:
-        fig = f"{sum(n for _, n in skips)} skipped, {len(bad) - len(skips)} non-finite: " + ", ".join(bad[:3])
-        fig += ", ..." if len(bad) > 3 else ""
-    reads = "skipped_at, skipped, loss, loss/*, grad_norm"
-    return GateLine("no skipped step, no NaN or inf in the losses and gradient norm", not bad, fig, reads)
-
-
-def _utilisation(rows: list, layer: int) -> float | None:
-    "The busiest expert's share over the mean, loads averaged over the last quarter (None: no loads logged)."
-    pat = re.compile(rf"router/layer{layer}_load_(\d+)")
-    experts = sorted({int(g.group(1)) for r in rows for k in r if (g := pat.fullmatch(k))})
-    if not experts:
-        return None
-    loads = [_tail_mean([v for _, v in _points(rows, f"router/layer{layer}_load_{e}")] or [0.0]) for e in experts]
-    return max(loads) / max(sum(loads) / len(loads), 1e-12)
-
-
-def gate_load(rows: list, m: MonitorConfig) -> GateLine:
-    "In every MoE layer the busiest expert's load over the last quarter is under `monitor.max_load_ratio` x the mean."
-    name = f"max expert load under {m.max_load_ratio:g}x the mean in every layer"
-    layers = _layer_ids(rows, "max_load")
-    if not layers:
-        return GateLine(name, None, "no router/layerN_max_load logged (no MoE layer)", "router/layerN_max_load")
-    peak = {i: _tail_mean([v for _, v in _points(rows, f"router/layer{i}_max_load")]) for i in layers}  # per batch
-    util = {i: _utilisation(rows, i) for i in layers}
-    load = {i: peak[i] if util[i] is None else util[i] for i in layers}  # runs without per-expert loads: the peaks
-    worst = max(load, key=lambda i: load[i] if math.isfinite(load[i]) else math.inf)
-    how = (
-        "per-batch peaks (no per-expert loads logged)"
-        if util[worst] is None
-        else f"loads over the last quarter; per-batch peak {peak[worst]:.2f}x"
-    )
-    fig = f"worst layer {worst}: {load[worst]:.2f}x over {len(layers)} layer(s), {how}"
-    reads = "router/layerN_load_E, router/layerN_max_load"
-    return GateLine(name, all(v < m.max_load_ratio for v in load.values()), fig, reads)
-
-# %% ../nbs/07_monitor.ipynb #42acb833
-def gate_router_learning(rows: list, m: MonitorConfig) -> GateLine:
-    "Mean routing entropy over layers fell while the loss fell (the router is learning)."
-    name = "routing entropy falling while loss falls (router learning)"
-    layers = _layer_ids(rows, "entropy")
-    if not layers:
-        return GateLine(name, None, "no router/layerN_entropy logged (no MoE layer)", "router/layerN_entropy")
-    pts = []
-    for r in rows:
-        loss, ent = _num(r.get("loss")), [_num(r.get(f"router/layer{i}_entropy")) for i in layers]
-        if loss is not None and math.isfinite(loss) and None not in ent:
-            pts.append((loss, sum(ent) / len(ent)))
-    if len(pts) < 2:
-        fig = f"{len(pts)} row(s) with both loss and routing entropy; need at least 2"
-        return GateLine(name, False, fig, "router/layerN_entropy, loss")
-    (l0, e0), lt, et = pts[0], _tail_mean([loss for loss, _ in pts]), _tail_mean([e for _, e in pts])
-    fig = f"entropy {e0:.3f} -> {et:.3f}, loss {l0:.4g} -> {lt:.4g}"
-    return GateLine(name, et < e0 and lt < l0, fig, "router/layerN_entropy, loss")
-
-
-def gate_overlap(rows: list, m: MonitorConfig, populations=None) -> GateLine:
-    "Cross-population overlap under `monitor.max_overlap` (only when the experts form two populations)."
-    name, reads = f"cross-population overlap under {m.max_overlap:g}", "router/cross_pop_overlap"
-    pts = [v for _, v in _points(rows, "router/cross_pop_overlap")]
-    if populations is None:
-        populations = bool(pts)
-    if not populations:
-        return GateLine(name, None, "populations off (model.moe.n_pop_a = 0)", reads)
-    if not pts:
-        return GateLine(name, False, "populations on, but no router/cross_pop_overlap logged", reads)
-    tail = _tail_mean(pts)
-    return GateLine(name, tail < m.max_overlap, f"{tail:.3f}, last quarter", reads)
-
-# %% ../nbs/07_monitor.ipynb #ea2026fe
-def gate_grad_norm(rows: list, m: MonitorConfig) -> GateLine:
-    "The gradient norm, each row's maximum over its window's steps, stayed under `monitor.max_grad_norm`."
-    name, reads = f"gradient norm under {m.max_grad_norm:g}", "grad_norm (max of each log window)"
-    pts = _points(rows, "grad_norm")
-    if not pts:
-        return GateLine(name, False, "no grad_norm logged", reads)
-    s, g = max(pts, key=lambda p: p[1] if math.isfinite(p[1]) else math.inf)
-    return GateLine(name, math.isfinite(g) and g < m.max_grad_norm, f"max {g:.3g} at step {s}", reads)
-
-
-def gate_utilisation(rows: list, m: MonitorConfig) -> GateLine:
-    "On GPU runs, NVML's busy time `gpu_util` over `monitor.min_gpu_util` percent; MFU shown beside it, not judged."
-    name, reads = f"GPU utilisation over {m.min_gpu_util:g}%", "gpu_util; mfu as information"
-    util, mf = [v for _, v in _points(rows, "gpu_util")], [v for _, v in _points(rows, "mfu")]
-    info = ""
-    if mf:
-        t = _tail_mean(mf)
-        info = f"; MFU {t:.1%}, {'over' if t > m.min_mfu else 'under'} monitor.min_mfu = {m.min_mfu:.0%} (not judged)"
-    if not util:
-        return GateLine(name, None, "CPU run (or no NVML): no gpu_util logged" + info, reads)
-    tail = _tail_mean(util)
-    return GateLine(name, tail > m.min_gpu_util, f"busy {tail:.0f}% of the time (NVML), last quarter" + info, reads)
-
-# %% ../nbs/07_monitor.ipynb #ab8dff56
-def gate(rows: list, mcfg: MonitorConfig, populations=None) -> list:
-    "The verification gate over a run's metric rows: one `GateLine` per criterion."
-    return [
-        gate_loss_fell(rows, mcfg),
-        gate_finite(rows, mcfg),
-        gate_utilisation(rows, mcfg),
-        gate_load(rows, mcfg),
-        gate_router_learning(rows, mcfg),
-        gate_overlap(rows, mcfg, populations),
-        gate_grad_norm(rows, mcfg),
-    ]
-
-
-def gate_passed(lines: list) -> bool:
-    "True when no criterion failed (skipped ones do not count)."
-    return all(g.passed is not False for g in lines)
-
-
-def format_gate(lines: list) -> str:
-    "One `PASS`/`FAIL`/`SKIP` line per criterion with its figure and the metrics it reads, then the verdict."
-    w = max(len(g.criterion) for g in lines)
-    out = [
-        f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[g.passed] }  {g.criterion:<{w}}  {g.figure}"
-        + (f"  [reads {g.reads}]" if g.reads else "")
-        for g in lines
-    ]
-    n = {v: sum(g.passed is v for g in lines) for v in (True, False, None)}
-    out.append(
-        f"gate {'PASS' if gate_passed(lines) else 'FAIL'}: {n[True]} passed, {n[False]} failed, {n[None]} skipped"
-    )
-    return "\n".join(out)
-
-# %% ../nbs/07_monitor.ipynb #b4f87760
-def read_metrics(path) -> list:
-    "The rows of a `metrics.jsonl`, with errors that name the file and line."
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"no metrics file '{p}': give the run directory that cipher-train wrote (it holds metrics.jsonl)"
-        )
-    text = p.read_text()
-    lines, rows = text.splitlines(), []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if n == len(lines) and not text.endswith("\n"):
-                warnings.warn(f"{p}: skipped the unfinished last line {n} (the run was stopped while writing it)")
-                continue
-            raise ValueError(
-                f"{p}, line {n}: not JSON ({e.msg}); each line must be one JSON object of metrics"
-            ) from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{p}, line {n}: expected a JSON object of metrics, got {type(row).__name__}")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"'{p}' holds no metrics: the run has not logged yet (it logs every training.log_every steps)")
-    return rows
-
-# %% ../nbs/07_monitor.ipynb #b5e74435
-@call_parse
-def cipher_gate(
-    run_dir: str,  # run directory holding metrics.jsonl (and config.yaml for the thresholds)
-):
-    "Print the verification gate of a run, one PASS / FAIL / SKIP line per criterion; exit 1 when any fails."
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise CliError(f"run directory '{run}' does not exist: give the folder that cipher-train wrote")
-    try:
-        rows = read_metrics(run / "metrics.jsonl")
-    except (OSError, ValueError) as e:
-        raise CliError(str(e))
-    cfg_path = run / "config.yaml"
-    try:
-        cfg = load_config(cfg_path) if cfg_path.is_file() else Config()
-    except ConfigError as e:
-        raise CliError(f"{cfg_path}: {e}")
-    lines = gate(rows, cfg.monitor, populations=cfg.model.moe.n_pop_a > 0 if cfg_path.is_file() else None)
-    src = "config.yaml" if cfg_path.is_file() else "defaults (no config.yaml)"
-    print(f"verification gate for {run}: {len(rows)} rows, thresholds from the {src}")
-    print(format_gate(lines))
-    return 0 if gate_passed(lines) else 1

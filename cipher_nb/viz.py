@@ -51,8 +51,8 @@ from .experiments import run_request as run_request
 from .experiments import run_stage as run_stage
 from .experiments import train_command as train_command
 from .experiments import variant_name as variant_name
+from .gate import read_metrics
 from .model import CipherModel
-from .monitor import read_metrics
 from .optim import lr_at
 
 # %% ../nbs/13_viz.ipynb #6035c4b6

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cipher_nb.config import config_from_dict
-from cipher_nb.monitor import HealthWarning, HostSyncCounter, MonitorCallback, gate, gate_passed
+from cipher_nb.gate import gate, gate_passed
+from cipher_nb.monitor import HealthWarning, HostSyncCounter, MonitorCallback
 
 N_STEPS, LOG_EVERY, EVAL_EVERY = 200, 10, 50
 
