@@ -34,8 +34,10 @@ def cipher_imports(tree) -> list:
                 out.append((mod.split(".")[1], names))
         elif isinstance(node, ast.Import):
             out += [(a.name.split(".")[1], []) for a in node.names if a.name.startswith("cipher_nb.")]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("cipher_nb."):
-            out.append((node.value.split(".")[1], []))  # importlib.import_module("cipher_nb.x")
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            arg = node.args[0] if node.args else None  # importlib.import_module("cipher_nb.x")
+            if isinstance(arg, ast.Constant) and str(arg.value).startswith("cipher_nb."):
+                out.append((arg.value.split(".")[1], []))
     return out
 
 

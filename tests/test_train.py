@@ -126,7 +126,8 @@ def test_nonfinite_step_is_skipped_and_the_run_continues(tmp_path):
     r = train(run, "--max-steps", "8", "training.log_every=1", *SMALL, "--fault", "nonfinite@3")
     assert r.returncode == 0, r.stderr[-3000:]
     m = [x for x in rows(run) if "loss" in x]
-    assert m[-1]["step"] == 8 and m[-1]["skipped"] == 1
+    assert m[-1]["step"] == 8 and m[-1]["skipped_total"] == 1
+    assert [x["skipped_at"] for x in m if x["skipped"]] == [[3]]  # counted in its window, with its step
     assert "non-finite" in r.stderr and all(x["loss"] == x["loss"] for x in m)  # no NaN reached a logged step
 
 
@@ -218,3 +219,44 @@ def test_torchrun_two_ranks_end_identical(tmp_path, parallel):
     assert h[0] == h[1]
     info = json.loads(h[0])
     assert info["step"] == 6 and info["loss_last"] < info["loss_first"]
+
+
+BAD_INPUT = [  # (what, extra args, the fragment the one line must hold)
+    ("a preset that is not YAML", ["BAD_YAML"], "not valid YAML"),
+    ("a preset that does not exist", ["missing.yaml"], "does not exist"),
+    ("an unknown key", ["model.moe.topk=2"], "did you mean 'model.moe.top_k'"),
+    ("a learning rate of 0", ["training.lr=0"], "training.lr (0.0) must be positive"),
+    ("a value of the wrong type", ["training.batch_size=many"], "training.batch_size: expected int"),
+    ("a choice that does not exist", ["training.precision=fp7"], "training.precision = 'fp7': choose one of"),
+    ("a data file that does not exist", ["data.source=files", "data.path=/nonexistent/corpus.txt"], "/nonexistent"),
+    ("a resume path that does not exist", ["--resume", "/nonexistent/step_0000002"], "/nonexistent"),
+    ("an init for pretraining's successor missing", ["stage.name=refinement"], "--init"),
+]
+
+
+@pytest.mark.parametrize("what,args,fragment", BAD_INPUT, ids=[b[0] for b in BAD_INPUT])
+def test_bad_input_is_one_clear_line_with_exit_code_2(tmp_path, what, args, fragment):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_model: 64\n bad: [\n")
+    args = [str(bad) if a == "BAD_YAML" else a for a in args]
+    run = tmp_path / "run"
+    r = train(run, "--max-steps", "2", *args)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, (what, r.returncode, r.stderr[-2000:])
+    assert fragment in r.stderr and "Traceback" not in r.stderr, (what, r.stderr[-2000:])
+    assert lines[-1].startswith("cipher-train: "), lines[-3:]
+    assert not run.exists(), f"{what}: the run directory was written"
+
+
+def test_a_single_file_corpus_with_a_held_out_tail(tmp_path):
+    "One local file: its tail is the held-out set (a real held-out bpb); with nothing held out, no val/* at all."
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((Path(json.__file__).read_text() * 3)[:120_000])
+    args = ["--max-steps", "4", *SMALL, "data.source=files", f"data.path={corpus}", "training.eval_every=4"]
+    r = train(tmp_path / "tail", *args, "data.heldout_tail_bytes=4000", "data.max_bytes=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    bpb = [x["val/bpb"] for x in rows(tmp_path / "tail") if "val/bpb" in x]
+    assert bpb and all(0 < b < 20 for b in bpb), bpb
+    r = train(tmp_path / "none", *args, "data.heldout_frac=0")
+    assert r.returncode == 0 and "no held-out data" in r.stderr, r.stderr[-2000:]
+    assert not any(k.startswith("val/") for x in rows(tmp_path / "none") for k in x)
