@@ -260,3 +260,13 @@ def test_a_single_file_corpus_with_a_held_out_tail(tmp_path):
     r = train(tmp_path / "none", *args, "data.heldout_frac=0")
     assert r.returncode == 0 and "no held-out data" in r.stderr, r.stderr[-2000:]
     assert not any(k.startswith("val/") for x in rows(tmp_path / "none") for k in x)
+
+
+def test_refinement_on_differently_cut_data_is_refused(tmp_path):
+    "data.max_bytes changes which bytes the model sees, so it changes the data fingerprint refinement must match."
+    pre = tmp_path / "pre"
+    assert train(pre, "--max-steps", "2", *SMALL, "data.source=mock").returncode == 0
+    stage = ["--stage", "refinement", "--init", str(pre / "final")]
+    r = train(tmp_path / "ref", "--max-steps", "2", *SMALL, "data.source=mock", "data.max_bytes=100", *stage)
+    assert r.returncode == 2 and "refinement data differs" in r.stderr, r.stderr[-2000:]
+    assert train(tmp_path / "same", "--max-steps", "2", *SMALL, "data.source=mock", *stage).returncode == 0
