@@ -50,7 +50,7 @@ def start_lab(port: int, root: Path) -> subprocess.Popen:
     "JupyterLab on 127.0.0.1 with no token, its app exposed to the page's scripts (to send Run All)."
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}"]
     cmd += ["--ServerApp.token=", "--ServerApp.password=", f"--ServerApp.root_dir={root}"]
-    cmd += ["--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True"]
+    cmd += ["--LabApp.expose_app_in_browser=True", "--allow-root"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(120):
         try:
