@@ -53,7 +53,7 @@ def test_figures_and_dashboard_show_as_png(tmp_path):
         "from cipher_nb.config import load_config\n"
         "from cipher_nb.monitor import HealthWarning\n"
         "from cipher_nb.train import build_trainer\n"
-        "from cipher_nb.viz import LiveDashboard\n"
+        "from cipher_nb.dashboard import LiveDashboard\n"
         "dash = LiveDashboard()\n"
         "warnings.simplefilter('ignore', HealthWarning)\n"
         f"cfg = load_config(None, {SMALL + ['training.max_steps=4', 'training.warmup_steps=1']!r})\n"
