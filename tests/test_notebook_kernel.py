@@ -114,3 +114,20 @@ def test_examples_have_no_setup_cell():
     "The example notebooks show figures without a hidden set_matplotlib_formats cell."
     for p in sorted((ROOT / "examples").glob("*.ipynb")):
         assert "set_matplotlib_formats" not in Path(p).read_text(), p
+
+
+@pytest.mark.parametrize("name", ["01_pretrain", "02_refinement", "03_sft"])
+def test_example_notebook_runs_all_in_a_kernel(name):
+    """Each example notebook, Run All in a real kernel with its default switches (the chain's runs are reused when
+    `nbdev-test examples` already trained them): no error, every figure a PNG, nothing on stderr but warnings."""
+    path = ROOT / "examples" / f"{name}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    client(nb, path.parent, timeout=600).execute()
+    figures = [
+        c for c in nb.cells if c.cell_type == "code" and any("Figure" in str(o.get("data", {})) for o in c.outputs)
+    ]
+    assert all("image/png" in mimes(c) for c in figures), [
+        c.source[:80] for c in figures if "image/png" not in mimes(c)
+    ]
+    noise = [s for c in nb.cells if c.cell_type == "code" for s in [stderr(c)] if s and "Warning" not in s]
+    assert not [s for s in noise if "Traceback" in s or "Error" in s], noise
