@@ -1,27 +1,35 @@
 """Quality per compute: held-out bits per byte that each architecture reaches for the same compute budget, trained
 through cipher_nb's own loop on the embedded standard-library corpus.
 
-    python benchmarks/quality.py                              # 4 contenders, 1 seed, 800 CPU-seconds each
+    python benchmarks/quality.py                              # 5 contenders, 1 seed, 800 CPU-seconds each
+    python benchmarks/quality.py --contenders minimal-gpt,dense,moe --budget 90s --seeds 3   # against the baseline
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
     python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (to every contender)
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
 
 Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `--config`, plus any `a.b=c` overrides):
+  minimal-gpt  the outside baseline, benchmarks/minimal_gpt.py: a from-scratch byte-level GPT trained with its own
+             recipe (4 x 128, context 64, batch 12 x 64, AdamW 1e-3, warmup + cosine) on the base config's loader;
+             the reference of the comparison ("vs minimal-gpt")
   dense      a GPT with the MoE's active path as FFN: model.moe.n_routed=0, so d_ff = (top_k + n_shared) * expert_d_ff
   moe        the config itself
   moe+bp     the MoE with the byte-level boundary predictor (model.boundary.enabled=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
 
-Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up,
-then timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round),
-on `--threads` torch threads, and each contender's cost is the median of its rounds. `--clock cpu` (default) is the
-process's CPU time, `--clock wall` elapsed time. The budget then buys each contender `budget / cost` steps, and each
-trains exactly that many (its own process, its cosine schedule ending at its last step), so the held-out figures do
-not depend on how busy the machine was during training: a run that happened to share its core would otherwise get
-fewer steps and a worse score. Every run also reports the clock time its training really used, as a cross-check.
+Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up, then
+timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round), on
+`--threads` torch threads, and each contender's cost is the median of its rounds. `--clock cpu` (default) is the
+process's CPU time, `--clock wall` elapsed time. The budget (`--budget`: seconds, or "90s", "8m", "2h") then buys each
+contender `budget / cost` steps, and each trains exactly that many (its own process, its cosine schedule ending at its
+last step), so the held-out figures do not depend on how busy the machine was during training: a run that happened to
+share its core would otherwise get fewer steps and a worse score. Every run also reports the clock time its training
+really used, as a cross-check.
 Held-out bits per byte come only from `cipher_nb.metrics.heldout_metrics` on the same `--eval-batches` held-out batches
-for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps.
-Writes `--out`.md (both tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
+for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps;
+the minimal GPT is scored by that same function through `minimal_gpt.HeldoutView` (its byte ids, a sliding window
+over rows longer than its context). The tables give each contender's per-seed differences from the minimal GPT and
+from dense (a seed fixes the data order for all of them), and a table of every seed.
+Writes `--out`.md (the tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
 """
 
 import argparse
@@ -36,12 +44,28 @@ from itertools import islice
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ("dense", "moe", "moe+bp", "recurrent")
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # minimal_gpt, also when this file is loaded by path (the tests)
+BASELINE = "minimal-gpt"
+CONTENDERS = (BASELINE, "dense", "moe", "moe+bp", "recurrent")
+REFS = (BASELINE, "dense")  # the per-seed differences the table reports
+
+
+def parse_budget(text) -> float:
+    "Seconds in `text`: a number of seconds or a duration such as '90s', '8m', '2h'."
+    t = str(text).strip().lower()
+    unit = {"s": 1, "m": 60, "h": 3600}.get(t[-1:], None)
+    try:
+        return float(t[:-1] if unit else t) * (unit or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget '{text}' is not seconds or a duration like 90s, 8m, 2h") from None
 
 
 def contender_overrides(name: str, cfg) -> list:
     "The `a.b=c` overrides that turn the base config into contender `name`."
     m = cfg.model
+    if name == BASELINE:
+        return []  # built from the base config's data only (see contender_trainer)
     if name == "dense":
         return ["model.moe.n_routed=0"]
     if name == "moe":
@@ -63,6 +87,17 @@ def contender_overrides(name: str, cfg) -> list:
 def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     "A trainer for contender `name` (no checkpoints, record, monitor or callbacks: the step alone) and its overrides."
     from cipher_nb.config import load_config
+
+    if name == BASELINE:
+        from minimal_gpt import MinimalTrainer
+
+        from cipher_nb.curriculum import build_loader
+
+        over = [*a.overrides, f"training.seed={seed}"]
+        cfg = load_config(a.config, over)  # the base config: its training documents, in this seed's order
+        tr = MinimalTrainer(build_loader(cfg, "train", 0, 1), steps, seed)
+        tr.cfg = cfg
+        return tr, over
     from cipher_nb.train import build_trainer
 
     over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f"training.seed={seed}"]
@@ -100,6 +135,8 @@ def run_one(a) -> dict:
     import torch
 
     torch.set_num_threads(a.threads)
+    from minimal_gpt import HeldoutView, n_params
+
     from cipher_nb.codecs import build_codec
     from cipher_nb.config import load_config
     from cipher_nb.curriculum import build_loader
@@ -113,11 +150,12 @@ def run_one(a) -> dict:
         # the held-out set of the BASE config (same data, batch and length for every contender)
         heldout = list(islice(iter(build_loader(base, "heldout", 0, 1)), a.eval_batches or base.training.eval_batches))
         lengths = torch.as_tensor(build_codec(tr.cfg.data).byte_lengths)
+        scored = HeldoutView(tr.model) if a.one == BASELINE else tr.model
 
         def ev():
             tr.model.eval()
             try:
-                return heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype)["val/bpb"]
+                return heldout_metrics(scored, heldout, lengths, tr.device, tr.dtype)["val/bpb"]
             finally:
                 tr.model.train()
 
@@ -130,7 +168,7 @@ def run_one(a) -> dict:
             if tr.step in points:
                 curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))
         cfg = tr.cfg
-        pc = param_counts(cfg.model)
+        pc = dict.fromkeys(("total", "active"), n_params(tr.model)) if a.one == BASELINE else param_counts(cfg.model)
         return dict(
             name=a.one,
             seed=a.seed,
@@ -158,16 +196,17 @@ def _mean_sd(xs):
 
 
 def cost_table(costs: dict, budget: float, clock: str, threads: int) -> str:
-    "The calibration: each contender's step cost, its ratio to dense and the steps the budget buys it."
-    ref = costs.get("dense")
+    "The calibration: each contender's step cost, its ratio to the references and the steps the budget buys it."
+    refs = [r for r in REFS if r in costs]
     lines = [
         f"step cost ({clock} clock, {threads} torch thread(s), median of interleaved rounds in one process):",
         "",
-        "| contender | ms per step | vs dense | steps in the budget |",
-        "|---|---|---|---|",
+        "| contender | ms per step | " + "".join(f"vs {r} | " for r in refs) + "steps in the budget |",
+        "|---|---|" + "---|" * len(refs) + "---|",
     ]
     for n, c in costs.items():
-        lines.append(f"| {n} | {c * 1e3:.1f} | {f'{c / ref:.2f}x' if ref else ''} | {int(budget / c)} |")
+        ratios = "".join(f"{c / costs[r]:.2f}x | " for r in refs)
+        lines.append(f"| {n} | {c * 1e3:.1f} | {ratios}{int(budget / c)} |")
     return "\n".join(lines)
 
 
@@ -177,41 +216,65 @@ def paired(rs: list, ref: list) -> list:
     return [r["bpb"] - by_seed[r["seed"]] for r in rs if r["seed"] in by_seed]
 
 
+def _vs(rs: list, ref: list) -> tuple:
+    "The two cells of one reference: mean per-seed difference ± its spread, and on how many seeds it is ahead."
+    d = paired(rs, ref)
+    if not d:
+        return "", ""
+    dm, dsd = _mean_sd(d)
+    return (f"{dm:+.4f} ± {dsd:.4f}" if len(d) > 1 else f"{dm:+.4f}"), f"{sum(x < 0 for x in d)}/{len(d)} seeds"
+
+
 def table(runs: list, names: list) -> str:
-    "The side-by-side table: mean over seeds with its spread, and the per-seed difference from dense."
+    "The side-by-side table: mean over seeds with its spread, the per-seed difference from dense and the minimal GPT."
     by = {n: [r for r in runs if r["name"] == n] for n in names}
     r0 = runs[0]
     lines = [
         f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
         f"seeds per contender: {len(by[names[0]])}",
         "",
-        "| contender | held-out bpb | vs dense, same seed | ahead of dense | steps | tok/s | params (total) "
-        "| params (active) | peak RSS GB | clock-s used |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| contender | held-out bpb | vs dense, same seed | ahead of dense | vs minimal-gpt, same seed "
+        "| ahead of minimal-gpt | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in names:
         rs = by[n]
         m, sd = _mean_sd([r["bpb"] for r in rs])
         bpb = f"{m:.4f} ± {sd:.4f}" if len(rs) > 1 else f"{m:.4f}"
-        d = paired(rs, by.get("dense", [])) if n != "dense" else []
-        vs = ahead = ""
-        if d:
-            dm, dsd = _mean_sd(d)
-            vs = f"{dm:+.4f} ± {dsd:.4f}" if len(d) > 1 else f"{dm:+.4f}"
-            ahead = f"{sum(x < 0 for x in d)}/{len(d)} seeds"
+        vs_dense = _vs(rs, by.get("dense", [])) if n != "dense" else ("", "")
+        vs_base = _vs(rs, by.get(BASELINE, [])) if n != BASELINE else ("", "")
         lines.append(
-            f"| {n} | {bpb} | {vs} | {ahead} | {rs[0]['steps']} | {statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
+            f"| {n} | {bpb} | {' | '.join(vs_dense)} | {' | '.join(vs_base)} | {rs[0]['steps']} | "
+            f"{statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
             f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
             f"{statistics.mean(r['used'] for r in rs):.0f} |"
         )
     lines.append("")
     lines.append(
-        "(held-out bpb: mean ± sample standard deviation over seeds; vs dense: the mean over seeds of the contender "
-        "minus dense on the same seed, ± the standard deviation of that difference: a seed fixes the data order, "
-        "which moves every contender alike, so this is the spread to weigh a gap against; tok/s counts bytes and "
-        "specials per budget second; clock-s used is what training took in its own process, the cross-check of "
-        "the step cost)"
+        "(held-out bpb: mean ± sample standard deviation over seeds; vs dense / vs minimal-gpt: the mean over seeds "
+        "of the contender minus the reference on the same seed, ± the standard deviation of that difference: a seed "
+        "fixes the data order, which moves every contender alike, so this is the spread to weigh a gap against; "
+        "tok/s counts bytes and specials per budget second; clock-s used is what training took in its own process, "
+        "the cross-check of the step cost)"
     )
+    return "\n".join(lines)
+
+
+def seed_table(runs: list, names: list) -> str:
+    "Every seed on its own line: each contender's held-out bpb and each one's difference from the references."
+    bpb = {(r["name"], r["seed"]): r["bpb"] for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    diffs = [(n, ref) for ref in REFS if ref in names for n in names if n not in (ref, *REFS[: REFS.index(ref)])]
+    lines = [
+        "per seed (held-out bpb; a difference below 0: the first contender is ahead):",
+        "",
+        "| " + " | ".join(["seed", *names, *(f"{n} - {ref}" for n, ref in diffs)]) + " |",
+        "|---|" + "---|" * (len(names) + len(diffs)),
+    ]
+    for s in seeds:
+        cells = [f"{bpb[n, s]:.4f}" if (n, s) in bpb else "" for n in names]
+        cells += [f"{bpb[n, s] - bpb[ref, s]:+.4f}" if (n, s) in bpb and (ref, s) in bpb else "" for n, ref in diffs]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -252,9 +315,10 @@ def main():
     )
     p.add_argument(
         "--budget",
-        type=float,
+        type=parse_budget,
         default=800.0,
-        help="clock seconds of training per run (800: about the CPU time of the default cipher-train run)",
+        help="clock seconds of training per run, or a duration: 90s, 8m, 2h (800: about the CPU time of the default "
+        "cipher-train run)",
     )
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: process CPU time; wall: elapsed time")
     p.add_argument("--threads", type=int, default=1, help="torch threads (calibration and runs)")
@@ -297,7 +361,7 @@ def main():
     from cipher_nb.config import load_config
 
     warmup = load_config(a.config, a.overrides).training.warmup_steps
-    short = [n for n in names if int(a.budget / costs[n]) <= warmup]
+    short = [n for n in names if n != BASELINE and int(a.budget / costs[n]) <= warmup]
     if short:
         sys.exit(
             f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, "
@@ -368,7 +432,7 @@ def main():
         reap(True)
     runs.sort(key=lambda r: (names.index(r["name"]), r["seed"]))
     cmd = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
-    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names)
+    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names) + "\n\n" + seed_table(runs, names)
     print("\n" + text)
     out.with_suffix(".md").write_text(text + "\n")
     out.with_suffix(".json").write_text(json.dumps(dict(command=cmd, costs=costs, runs=runs), indent=1))
