@@ -9,14 +9,15 @@ __all__ = ['RouterScore', 'MoEKernel', 'MoEImpl', 'CausalBPMode', 'BPMode', 'BPL
            'Parallel', 'OptimName', 'Stage', 'SourceStage', 'SFTMask', 'LEGACY_KEYS', 'cosmetic', 'AttentionConfig',
            'MoEConfig', 'RecurrenceConfig', 'BoundaryConfig', 'ModelConfig', 'DataConfig', 'TrainConfig', 'OptimConfig',
            'StageConfig', 'MonitorConfig', 'SFTConfig', 'Config', 'ConfigError', 'upgrade_keys', 'build_section',
-           'config_from_dict', 'model_config', 'validate', 'apply_overrides', 'load_config', 'save_config',
-           'critical_dict', 'config_hash', 'critical_diff']
+           'config_from_dict', 'model_config', 'parse_duration', 'validate', 'apply_overrides', 'load_config',
+           'save_config', 'critical_dict', 'config_hash', 'critical_diff']
 
 # %% ../nbs/01_config.ipynb #4220b6fb
 import copy
 import difflib
 import hashlib
 import json
+import re
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -187,7 +188,8 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 30
-    max_steps: int = 1600
+    max_steps: int = 1600  # with time_budget: the most steps the budget may buy
+    time_budget: str = ""  # training time to spend, e.g. 90s, 8m, 2h: the step count is planned to fit it
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     precision: Precision = "auto"
@@ -444,6 +446,17 @@ def model_config(**kw) -> ModelConfig:
         base[s] = {**base[s], **sub} if isinstance(base.get(s), dict) and isinstance(sub, dict) else sub
     return build_section(ModelConfig, base, "model")
 
+# %% ../nbs/01_config.ipynb #2f3a05ea
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([hms]?)")
+
+
+def parse_duration(text: str) -> float:
+    "Seconds in a duration such as `90s`, `8m`, `2h` or `1h30m` (a bare number is seconds)."
+    parts = _DURATION.findall(text.replace(" ", ""))
+    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
+        raise ConfigError(f"{text!r} is not a duration: write it as 90s, 8m, 2h or 1h30m")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1, "": 1}[u] for n, u in parts)
+
 # %% ../nbs/01_config.ipynb #2e2a71fb
 def _leaves(obj, prefix: str):
     "(path, value, type, field) of every leaf field under the dataclass `obj`, nested sections walked."
@@ -464,6 +477,11 @@ def validate(cfg: Config) -> Config:
                 _choose(v, typing.get_args(typ), key)
     m, t = cfg.model, cfg.training
     a, e, r, b = m.attention, m.moe, m.recurrence, m.boundary
+    if t.time_budget:
+        try:
+            parse_duration(t.time_budget)
+        except ConfigError as err:
+            raise ConfigError(f"training.time_budget = {err}") from None
     checks = [
         (
             a.n_heads % a.n_kv_heads == 0,

@@ -270,3 +270,18 @@ def test_refinement_on_differently_cut_data_is_refused(tmp_path):
     r = train(tmp_path / "ref", "--max-steps", "2", *SMALL, "data.source=mock", "data.max_bytes=100", *stage)
     assert r.returncode == 2 and "refinement data differs" in r.stderr, r.stderr[-2000:]
     assert train(tmp_path / "same", "--max-steps", "2", *SMALL, "data.source=mock", *stage).returncode == 0
+
+
+def test_a_time_budget_plans_the_steps_and_records_them(tmp_path):
+    run = tmp_path / "run"
+    r = train(run, *SMALL, "training.log_every=5", "--time-budget", "4s")
+    assert r.returncode == 0, r.stderr[-2000:]
+    sched = json.loads((run / "record.json").read_text())["schedule"]
+    assert sched["time_budget_s"] == 4.0 and sched["steps"] == rows(run)[-1]["step"] > 5, sched
+    assert yaml_max_steps(run) == 10**9  # the budget decided, not the preset's max_steps
+
+
+def yaml_max_steps(run) -> int:
+    import yaml
+
+    return yaml.safe_load((run / "config.yaml").read_text())["training"]["max_steps"]

@@ -1,0 +1,155 @@
+"""Run each example notebook in JupyterLab in a real (headless) browser and save screenshots: a check for a person to
+run before a release, not part of CI (it needs a browser and minutes of CPU).
+
+Needs Debian's `chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`; `playwright install`
+downloads a browser and fails offline) and `pip install jupyterlab selenium`. JupyterLab listens on 127.0.0.1 with
+no token, so run it only on a machine you trust. From the repository root:
+
+    python tools/browser_smoke.py [--out benchmarks/results/notebook-screens] [01_pretrain 02_refinement ...]
+
+For each notebook: open it, note whether JupyterLab marked it modified on opening, Run All, take a screenshot of the
+live dashboard while it trains and of the plots at the end, and check that the dashboard widget rendered and that
+no cell shows an error. The notebooks are not saved (nothing in examples/ changes but examples/runs/)."""
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ["01_pretrain", "02_refinement", "03_sft"]
+
+JS_STATE = """
+const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+if (!nb) return null;
+const prompts = [...nb.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(p => p.textContent.trim());
+const outs = [...nb.querySelectorAll('.jp-OutputArea-output')];
+return {
+  prompts: prompts,
+  errors: outs.filter(o => /Traceback \\(most recent call last\\)|^\\w*Error:/m.test(o.textContent)
+                          || o.getAttribute('data-mime-type') === 'application/vnd.jupyter.error')
+              .map(o => o.textContent.slice(0, 300)),
+  widgets: nb.querySelectorAll('.jp-OutputArea-output .widget-output, .jp-OutputArea-output .widget-vbox').length,
+  images: nb.querySelectorAll('.jp-OutputArea-output img').length,
+  dirty: !!document.querySelector('.lm-TabBar-tab.jp-mod-current.jp-mod-dirty'),
+  busy: !!document.querySelector('.jp-Notebook-ExecutionIndicator[data-status="busy"]'),
+};
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_lab(port: int, root: Path) -> subprocess.Popen:
+    "JupyterLab on 127.0.0.1 with no token, its app exposed to the page's scripts (to send Run All)."
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}"]
+    cmd += ["--ServerApp.token=", "--ServerApp.password=", f"--ServerApp.root_dir={root}"]
+    cmd += ["--LabApp.expose_app_in_browser=True", "--allow-root"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("JupyterLab did not start within a minute")
+
+
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+def wait(driver, cond, timeout: float, what: str, poll: float = 0.5):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        st = driver.execute_script(JS_STATE)
+        if st is not None and cond(st):
+            return st
+        time.sleep(poll)
+    raise TimeoutError(f"{what}: not within {timeout:.0f} s (last state {st})")
+
+
+def smoke(driver, port: int, name: str, out: Path, timeout: float) -> dict:
+    "Open, Run All, screenshot the dashboard while it trains and the plots at the end; the checks' findings."
+    driver.get(f"http://127.0.0.1:{port}/lab/tree/{name}.ipynb")
+    wait(driver, lambda s: len(s["prompts"]) > 0, 90, f"{name}: the notebook did not open")
+    time.sleep(3)  # let the kernel start and JupyterLab settle its metadata
+    opened_dirty = driver.execute_script(JS_STATE)["dirty"]
+    driver.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    t0 = time.time()
+    st = wait(driver, lambda s: s["widgets"] > 0 or s["errors"], timeout, f"{name}: no dashboard widget appeared")
+    widget_seen = st["widgets"] > 0
+    if widget_seen:
+        time.sleep(4)  # a few redraws
+        w = driver.find_elements("css selector", ".jp-OutputArea-output .widget-vbox")
+        if w:
+            driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", w[0])
+        driver.save_screenshot(str(out / f"{name}-dashboard.png"))
+    st = wait(
+        driver,
+        lambda s: s["errors"] or all(p and "*" not in p for p in s["prompts"]),
+        timeout,
+        f"{name}: Run All did not finish",
+        poll=1.0,
+    )
+    seconds = time.time() - t0
+    imgs = driver.find_elements("css selector", ".jp-OutputArea-output img")
+    if imgs:
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", imgs[-1])
+        time.sleep(1)
+    driver.save_screenshot(str(out / f"{name}-plots.png"))
+    driver.execute_script("window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+    return dict(
+        notebook=name,
+        opened_dirty=opened_dirty,
+        widget_seen=widget_seen,
+        errors=st["errors"],
+        images=st["images"],
+        run_all_s=round(seconds),
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("notebooks", nargs="*", default=NOTEBOOKS)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/notebook-screens"))
+    ap.add_argument("--timeout", type=float, default=600, help="seconds for each notebook's Run All")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    lab = start_lab(port, ROOT / "examples")
+    driver, failed = None, []
+    try:
+        driver = browser()
+        for name in a.notebooks:
+            r = smoke(driver, port, name, out, a.timeout)
+            print(r, flush=True)
+            if not r["widget_seen"] or r["errors"] or not r["images"]:
+                failed.append(name)
+    finally:
+        if driver is not None:
+            driver.quit()
+        lab.terminate()
+        lab.wait(30)
+    if failed:
+        sys.exit(f"browser smoke failed: {failed} (no dashboard widget, no image, or a cell shows an error)")
+    print(f"browser smoke passed; screenshots in {out}")
+
+
+if __name__ == "__main__":
+    main()
