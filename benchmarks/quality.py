@@ -23,7 +23,9 @@ process's CPU time, `--clock wall` elapsed time. The budget (`--budget`: seconds
 contender `budget / cost` steps, and each trains exactly that many (its own process, its cosine schedule ending at its
 last step), so the held-out figures do not depend on how busy the machine was during training: a run that happened to
 share its core would otherwise get fewer steps and a worse score. Every run also reports the clock time its training
-really used, as a cross-check.
+really used, as a cross-check. With `--plan budget` the cipher_nb contenders instead get `training.time_budget` and
+their trainer plans the steps from the cost it measures as it runs (on `--clock`), the way `cipher-train --time-budget`
+does; the minimal GPT keeps its calibrated steps, and each run's line says how close its training time landed.
 Held-out bits per byte come only from `cipher_nb.metrics.heldout_metrics` on the same `--eval-batches` held-out batches
 for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps;
 the minimal GPT is scored by that same function through `minimal_gpt.HeldoutView` (its byte ids, a sliding window
@@ -53,12 +55,12 @@ REFS = (BASELINE, "dense")  # the per-seed differences the table reports
 
 def parse_budget(text) -> float:
     "Seconds in `text`: a number of seconds or a duration such as '90s', '8m', '2h'."
-    t = str(text).strip().lower()
-    unit = {"s": 1, "m": 60, "h": 3600}.get(t[-1:], None)
+    from cipher_nb.config import ConfigError, parse_duration
+
     try:
-        return float(t[:-1] if unit else t) * (unit or 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget '{text}' is not seconds or a duration like 90s, 8m, 2h") from None
+        return parse_duration(str(text).strip().lower())
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def contender_overrides(name: str, cfg) -> list:
@@ -84,6 +86,11 @@ def contender_overrides(name: str, cfg) -> list:
     raise SystemExit(f"unknown contender '{name}': choose from {', '.join(CONTENDERS)}")
 
 
+def budgeted(a, name: str) -> bool:
+    "Whether contender `name` plans its own steps with `training.time_budget` (`--plan budget`, cipher_nb contenders)."
+    return a.plan == "budget" and name != BASELINE
+
+
 def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     "A trainer for contender `name` (no checkpoints, record, monitor or callbacks: the step alone) and its overrides."
     from cipher_nb.config import load_config
@@ -101,8 +108,15 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     from cipher_nb.train import build_trainer
 
     over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f"training.seed={seed}"]
-    cfg = load_config(a.config, [*over, f"training.max_steps={steps}"])
+    if budgeted(a, name):  # the trainer plans the steps that fit the budget, on this script's clock
+        from cipher_nb.train import BUDGET_MAX_STEPS
+
+        plan = [f"training.time_budget={a.budget:g}s", f"training.max_steps={BUDGET_MAX_STEPS}"]
+    else:
+        plan = [f"training.max_steps={steps}"]
+    cfg = load_config(a.config, [*over, *plan])
     tr = build_trainer(cfg, run_dir, progress=False)
+    tr.clock = time.process_time if a.clock == "cpu" else time.perf_counter
     tr.checkpoints = tr.record = tr.monitor = None
     tr.callbacks = []
     tr.model.train()
@@ -131,7 +145,7 @@ def calibrate(a, names: list) -> dict:
 
 
 def run_one(a) -> dict:
-    "Train one contender for one seed for its `--steps`; return its numbers and curve."
+    "Train one contender for one seed for its `--steps` (or its own plan for the budget); return numbers and curve."
     import torch
 
     torch.set_num_threads(a.threads)
@@ -159,14 +173,26 @@ def run_one(a) -> dict:
             finally:
                 tr.model.train()
 
-        points = sorted({max(1, round(a.steps * (i + 1) / a.eval_points)) for i in range(a.eval_points)})
         used, wall0, curve = 0.0, time.perf_counter(), []
-        while tr.step < a.steps:
-            c0 = clock()
-            tr.train_step()
-            used += clock() - c0
-            if tr.step in points:
-                curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))
+        if budgeted(a, a.one):  # as Trainer.fit does: time each step, re-plan, stop when the plan is done
+            marks, nth = [a.budget * (i + 1) / a.eval_points for i in range(a.eval_points - 1)], 0
+            while tr.step < tr.max_steps:
+                c0, nth = clock(), nth + 1
+                tr.train_step()
+                tr.record_step_time(clock() - c0, nth)
+                tr.replan()
+                if tr.step == tr.max_steps or (marks and tr.train_seconds >= marks[0]):
+                    marks = [m for m in marks if m > tr.train_seconds]
+                    curve.append(dict(seconds=round(tr.train_seconds, 2), step=tr.step, bpb=ev()))
+            used = tr.train_seconds
+        else:
+            points = sorted({max(1, round(a.steps * (i + 1) / a.eval_points)) for i in range(a.eval_points)})
+            while tr.step < a.steps:
+                c0 = clock()
+                tr.train_step()
+                used += clock() - c0
+                if tr.step in points:
+                    curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))
         cfg = tr.cfg
         pc = dict.fromkeys(("total", "active"), n_params(tr.model)) if a.one == BASELINE else param_counts(cfg.model)
         return dict(
@@ -176,12 +202,13 @@ def run_one(a) -> dict:
             threads=a.threads,
             budget=a.budget,
             cost=a.cost,
-            seconds=a.steps * a.cost,
+            seconds=used if budgeted(a, a.one) else a.steps * a.cost,
             used=used,
+            plan=a.plan if a.one != BASELINE else "steps",
             wall=time.perf_counter() - wall0,
             steps=tr.step,
             tokens=tr.tokens,
-            tok_per_s=tr.tokens / (a.steps * a.cost),
+            tok_per_s=tr.tokens / (used if budgeted(a, a.one) else a.steps * a.cost),
             bpb=curve[-1]["bpb"],
             curve=curve,
             params=pc["total"],
@@ -231,7 +258,8 @@ def table(runs: list, names: list) -> str:
     r0 = runs[0]
     lines = [
         f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
-        f"seeds per contender: {len(by[names[0]])}",
+        f"seeds per contender: {len(by[names[0]])}"
+        + ("; cipher_nb steps planned by training.time_budget" if any(r.get("plan") == "budget" for r in runs) else ""),
         "",
         "| contender | held-out bpb | vs dense, same seed | ahead of dense | vs minimal-gpt, same seed "
         "| ahead of minimal-gpt | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |",
@@ -243,8 +271,10 @@ def table(runs: list, names: list) -> str:
         bpb = f"{m:.4f} ± {sd:.4f}" if len(rs) > 1 else f"{m:.4f}"
         vs_dense = _vs(rs, by.get("dense", [])) if n != "dense" else ("", "")
         vs_base = _vs(rs, by.get(BASELINE, [])) if n != BASELINE else ("", "")
+        steps = sorted({r["steps"] for r in rs})  # one count under a calibrated plan; per seed under a budget
+        steps = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
         lines.append(
-            f"| {n} | {bpb} | {' | '.join(vs_dense)} | {' | '.join(vs_base)} | {rs[0]['steps']} | "
+            f"| {n} | {bpb} | {' | '.join(vs_dense)} | {' | '.join(vs_base)} | {steps} | "
             f"{statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
             f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
             f"{statistics.mean(r['used'] for r in rs):.0f} |"
@@ -324,6 +354,14 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads (calibration and runs)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per contender")
     p.add_argument("--round-steps", type=int, default=4, help="training steps per timing round")
+    p.add_argument(
+        "--plan",
+        choices=("steps", "budget"),
+        default="steps",
+        help="steps: every contender trains budget / (its calibrated step cost) steps; budget: the cipher_nb "
+        "contenders get training.time_budget and their trainer plans the steps as it runs (on --clock), the "
+        "minimal GPT keeps its calibrated steps",
+    )
     p.add_argument("--calibrate-only", action="store_true", help="print the step-cost table and stop")
     p.add_argument("--seeds", type=int, default=1, help="seeds per contender (0, 1, ...)")
     p.add_argument(
@@ -361,7 +399,7 @@ def main():
     from cipher_nb.config import load_config
 
     warmup = load_config(a.config, a.overrides).training.warmup_steps
-    short = [n for n in names if n != BASELINE and int(a.budget / costs[n]) <= warmup]
+    short = [n for n in names if not budgeted(a, n) and n != BASELINE and int(a.budget / costs[n]) <= warmup]
     if short:
         sys.exit(
             f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, "
@@ -385,6 +423,8 @@ def main():
         str(a.eval_points),
         "--eval-batches",
         str(a.eval_batches),
+        "--plan",
+        a.plan,
     ]
     if a.config:
         base += ["--config", a.config]
@@ -402,7 +442,8 @@ def main():
                 running.remove(job)
                 print(
                     f"{n:>10} seed {s}: bpb {r['bpb']:.4f} after {r['steps']} steps "
-                    f"({r['used']:.0f} {a.clock}-s used, {r['wall']:.0f} wall-s)",
+                    f"({r['used']:.0f} {a.clock}-s used, {r['used'] / a.budget - 1:+.1%} of the budget, "
+                    f"{r['wall']:.0f} wall-s)",
                     flush=True,
                 )
                 if not block:
