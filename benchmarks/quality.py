@@ -1,27 +1,37 @@
 """Quality per compute: held-out bits per byte that each architecture reaches for the same compute budget, trained
 through cipher_nb's own loop on the embedded standard-library corpus.
 
-    python benchmarks/quality.py                              # 4 contenders, 1 seed, 800 CPU-seconds each
+    python benchmarks/quality.py                              # 5 contenders, 1 seed, 800 CPU-seconds each
+    python benchmarks/quality.py --contenders minimal-gpt,dense,moe --budget 90s --seeds 3   # against the baseline
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
     python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (to every contender)
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
 
 Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `--config`, plus any `a.b=c` overrides):
+  minimal-gpt  the outside baseline, benchmarks/minimal_gpt.py: a from-scratch byte-level GPT trained with its own
+             recipe (4 x 128, context 64, batch 12 x 64, AdamW 1e-3, warmup + cosine) on the base config's loader;
+             the reference of the comparison ("vs minimal-gpt")
   dense      a GPT with the MoE's active path as FFN: model.moe.n_routed=0, so d_ff = (top_k + n_shared) * expert_d_ff
   moe        the config itself
   moe+bp     the MoE with the byte-level boundary predictor (model.boundary.enabled=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
 
-Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up,
-then timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round),
-on `--threads` torch threads, and each contender's cost is the median of its rounds. `--clock cpu` (default) is the
-process's CPU time, `--clock wall` elapsed time. The budget then buys each contender `budget / cost` steps, and each
-trains exactly that many (its own process, its cosine schedule ending at its last step), so the held-out figures do
-not depend on how busy the machine was during training: a run that happened to share its core would otherwise get
-fewer steps and a worse score. Every run also reports the clock time its training really used, as a cross-check.
+Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up, then
+timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round), on
+`--threads` torch threads, and each contender's cost is the median of its rounds. `--clock cpu` (default) is the
+process's CPU time, `--clock wall` elapsed time. The budget (`--budget`: seconds, or "90s", "8m", "2h") then buys each
+contender `budget / cost` steps, and each trains exactly that many (its own process, its cosine schedule ending at its
+last step), so the held-out figures do not depend on how busy the machine was during training: a run that happened to
+share its core would otherwise get fewer steps and a worse score. Every run also reports the clock time its training
+really used, as a cross-check. With `--plan budget` the cipher_nb contenders instead get `training.time_budget` and
+their trainer plans the steps from the cost it measures as it runs (on `--clock`), the way `cipher-train --time-budget`
+does; the minimal GPT keeps its calibrated steps, and each run's line says how close its training time landed.
 Held-out bits per byte come only from `cipher_nb.metrics.heldout_metrics` on the same `--eval-batches` held-out batches
-for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps.
-Writes `--out`.md (both tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
+for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps;
+the minimal GPT is scored by that same function through `minimal_gpt.HeldoutView` (its byte ids, a sliding window
+over rows longer than its context). The tables give each contender's per-seed differences from the minimal GPT and
+from dense (a seed fixes the data order for all of them), and a table of every seed.
+Writes `--out`.md (the tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
 """
 
 import argparse
@@ -36,12 +46,28 @@ from itertools import islice
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ("dense", "moe", "moe+bp", "recurrent")
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # minimal_gpt, also when this file is loaded by path (the tests)
+BASELINE = "minimal-gpt"
+CONTENDERS = (BASELINE, "dense", "moe", "moe+bp", "recurrent")
+REFS = (BASELINE, "dense")  # the per-seed differences the table reports
+
+
+def parse_budget(text) -> float:
+    "Seconds in `text`: a number of seconds or a duration such as '90s', '8m', '2h'."
+    from cipher_nb.config import ConfigError, parse_duration
+
+    try:
+        return parse_duration(str(text).strip().lower())
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def contender_overrides(name: str, cfg) -> list:
     "The `a.b=c` overrides that turn the base config into contender `name`."
     m = cfg.model
+    if name == BASELINE:
+        return []  # built from the base config's data only (see contender_trainer)
     if name == "dense":
         return ["model.moe.n_routed=0"]
     if name == "moe":
@@ -60,14 +86,37 @@ def contender_overrides(name: str, cfg) -> list:
     raise SystemExit(f"unknown contender '{name}': choose from {', '.join(CONTENDERS)}")
 
 
+def budgeted(a, name: str) -> bool:
+    "Whether contender `name` plans its own steps with `training.time_budget` (`--plan budget`, cipher_nb contenders)."
+    return a.plan == "budget" and name != BASELINE
+
+
 def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     "A trainer for contender `name` (no checkpoints, record, monitor or callbacks: the step alone) and its overrides."
     from cipher_nb.config import load_config
+
+    if name == BASELINE:
+        from minimal_gpt import MinimalTrainer
+
+        from cipher_nb.curriculum import build_loader
+
+        over = [*a.overrides, f"training.seed={seed}"]
+        cfg = load_config(a.config, over)  # the base config: its training documents, in this seed's order
+        tr = MinimalTrainer(build_loader(cfg, "train", 0, 1), steps, seed)
+        tr.cfg = cfg
+        return tr, over
     from cipher_nb.train import build_trainer
 
     over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f"training.seed={seed}"]
-    cfg = load_config(a.config, [*over, f"training.max_steps={steps}"])
+    if budgeted(a, name):  # the trainer plans the steps that fit the budget, on this script's clock
+        from cipher_nb.train import BUDGET_MAX_STEPS
+
+        plan = [f"training.time_budget={a.budget:g}s", f"training.max_steps={BUDGET_MAX_STEPS}"]
+    else:
+        plan = [f"training.max_steps={steps}"]
+    cfg = load_config(a.config, [*over, *plan])
     tr = build_trainer(cfg, run_dir, progress=False)
+    tr.clock = time.process_time if a.clock == "cpu" else time.perf_counter
     tr.checkpoints = tr.record = tr.monitor = None
     tr.callbacks = []
     tr.model.train()
@@ -96,10 +145,12 @@ def calibrate(a, names: list) -> dict:
 
 
 def run_one(a) -> dict:
-    "Train one contender for one seed for its `--steps`; return its numbers and curve."
+    "Train one contender for one seed for its `--steps` (or its own plan for the budget); return numbers and curve."
     import torch
 
     torch.set_num_threads(a.threads)
+    from minimal_gpt import HeldoutView, n_params
+
     from cipher_nb.codecs import build_codec
     from cipher_nb.config import load_config
     from cipher_nb.curriculum import build_loader
@@ -113,24 +164,37 @@ def run_one(a) -> dict:
         # the held-out set of the BASE config (same data, batch and length for every contender)
         heldout = list(islice(iter(build_loader(base, "heldout", 0, 1)), a.eval_batches or base.training.eval_batches))
         lengths = torch.as_tensor(build_codec(tr.cfg.data).byte_lengths)
+        scored = HeldoutView(tr.model) if a.one == BASELINE else tr.model
 
         def ev():
             tr.model.eval()
             try:
-                return heldout_metrics(tr.model, heldout, lengths, tr.device, tr.dtype)["val/bpb"]
+                return heldout_metrics(scored, heldout, lengths, tr.device, tr.dtype)["val/bpb"]
             finally:
                 tr.model.train()
 
-        points = sorted({max(1, round(a.steps * (i + 1) / a.eval_points)) for i in range(a.eval_points)})
         used, wall0, curve = 0.0, time.perf_counter(), []
-        while tr.step < a.steps:
-            c0 = clock()
-            tr.train_step()
-            used += clock() - c0
-            if tr.step in points:
-                curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))
+        if budgeted(a, a.one):  # as Trainer.fit does: time each step, re-plan, stop when the plan is done
+            marks, nth = [a.budget * (i + 1) / a.eval_points for i in range(a.eval_points - 1)], 0
+            while tr.step < tr.max_steps:
+                c0, nth = clock(), nth + 1
+                tr.train_step()
+                tr.record_step_time(clock() - c0, nth)
+                tr.replan()
+                if tr.step == tr.max_steps or (marks and tr.train_seconds >= marks[0]):
+                    marks = [m for m in marks if m > tr.train_seconds]
+                    curve.append(dict(seconds=round(tr.train_seconds, 2), step=tr.step, bpb=ev()))
+            used = tr.train_seconds
+        else:
+            points = sorted({max(1, round(a.steps * (i + 1) / a.eval_points)) for i in range(a.eval_points)})
+            while tr.step < a.steps:
+                c0 = clock()
+                tr.train_step()
+                used += clock() - c0
+                if tr.step in points:
+                    curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))
         cfg = tr.cfg
-        pc = param_counts(cfg.model)
+        pc = dict.fromkeys(("total", "active"), n_params(tr.model)) if a.one == BASELINE else param_counts(cfg.model)
         return dict(
             name=a.one,
             seed=a.seed,
@@ -138,12 +202,13 @@ def run_one(a) -> dict:
             threads=a.threads,
             budget=a.budget,
             cost=a.cost,
-            seconds=a.steps * a.cost,
+            seconds=used if budgeted(a, a.one) else a.steps * a.cost,
             used=used,
+            plan=a.plan if a.one != BASELINE else "steps",
             wall=time.perf_counter() - wall0,
             steps=tr.step,
             tokens=tr.tokens,
-            tok_per_s=tr.tokens / (a.steps * a.cost),
+            tok_per_s=tr.tokens / (used if budgeted(a, a.one) else a.steps * a.cost),
             bpb=curve[-1]["bpb"],
             curve=curve,
             params=pc["total"],
@@ -158,16 +223,17 @@ def _mean_sd(xs):
 
 
 def cost_table(costs: dict, budget: float, clock: str, threads: int) -> str:
-    "The calibration: each contender's step cost, its ratio to dense and the steps the budget buys it."
-    ref = costs.get("dense")
+    "The calibration: each contender's step cost, its ratio to the references and the steps the budget buys it."
+    refs = [r for r in REFS if r in costs]
     lines = [
         f"step cost ({clock} clock, {threads} torch thread(s), median of interleaved rounds in one process):",
         "",
-        "| contender | ms per step | vs dense | steps in the budget |",
-        "|---|---|---|---|",
+        "| contender | ms per step | " + "".join(f"vs {r} | " for r in refs) + "steps in the budget |",
+        "|---|---|" + "---|" * len(refs) + "---|",
     ]
     for n, c in costs.items():
-        lines.append(f"| {n} | {c * 1e3:.1f} | {f'{c / ref:.2f}x' if ref else ''} | {int(budget / c)} |")
+        ratios = "".join(f"{c / costs[r]:.2f}x | " for r in refs)
+        lines.append(f"| {n} | {c * 1e3:.1f} | {ratios}{int(budget / c)} |")
     return "\n".join(lines)
 
 
@@ -177,41 +243,68 @@ def paired(rs: list, ref: list) -> list:
     return [r["bpb"] - by_seed[r["seed"]] for r in rs if r["seed"] in by_seed]
 
 
+def _vs(rs: list, ref: list) -> tuple:
+    "The two cells of one reference: mean per-seed difference ± its spread, and on how many seeds it is ahead."
+    d = paired(rs, ref)
+    if not d:
+        return "", ""
+    dm, dsd = _mean_sd(d)
+    return (f"{dm:+.4f} ± {dsd:.4f}" if len(d) > 1 else f"{dm:+.4f}"), f"{sum(x < 0 for x in d)}/{len(d)} seeds"
+
+
 def table(runs: list, names: list) -> str:
-    "The side-by-side table: mean over seeds with its spread, and the per-seed difference from dense."
+    "The side-by-side table: mean over seeds with its spread, the per-seed difference from dense and the minimal GPT."
     by = {n: [r for r in runs if r["name"] == n] for n in names}
     r0 = runs[0]
     lines = [
         f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
-        f"seeds per contender: {len(by[names[0]])}",
+        f"seeds per contender: {len(by[names[0]])}"
+        + ("; cipher_nb steps planned by training.time_budget" if any(r.get("plan") == "budget" for r in runs) else ""),
         "",
-        "| contender | held-out bpb | vs dense, same seed | ahead of dense | steps | tok/s | params (total) "
-        "| params (active) | peak RSS GB | clock-s used |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| contender | held-out bpb | vs dense, same seed | ahead of dense | vs minimal-gpt, same seed "
+        "| ahead of minimal-gpt | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in names:
         rs = by[n]
         m, sd = _mean_sd([r["bpb"] for r in rs])
         bpb = f"{m:.4f} ± {sd:.4f}" if len(rs) > 1 else f"{m:.4f}"
-        d = paired(rs, by.get("dense", [])) if n != "dense" else []
-        vs = ahead = ""
-        if d:
-            dm, dsd = _mean_sd(d)
-            vs = f"{dm:+.4f} ± {dsd:.4f}" if len(d) > 1 else f"{dm:+.4f}"
-            ahead = f"{sum(x < 0 for x in d)}/{len(d)} seeds"
+        vs_dense = _vs(rs, by.get("dense", [])) if n != "dense" else ("", "")
+        vs_base = _vs(rs, by.get(BASELINE, [])) if n != BASELINE else ("", "")
+        steps = sorted({r["steps"] for r in rs})  # one count under a calibrated plan; per seed under a budget
+        steps = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
         lines.append(
-            f"| {n} | {bpb} | {vs} | {ahead} | {rs[0]['steps']} | {statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
+            f"| {n} | {bpb} | {' | '.join(vs_dense)} | {' | '.join(vs_base)} | {steps} | "
+            f"{statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
             f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
             f"{statistics.mean(r['used'] for r in rs):.0f} |"
         )
     lines.append("")
     lines.append(
-        "(held-out bpb: mean ± sample standard deviation over seeds; vs dense: the mean over seeds of the contender "
-        "minus dense on the same seed, ± the standard deviation of that difference: a seed fixes the data order, "
-        "which moves every contender alike, so this is the spread to weigh a gap against; tok/s counts bytes and "
-        "specials per budget second; clock-s used is what training took in its own process, the cross-check of "
-        "the step cost)"
+        "(held-out bpb: mean ± sample standard deviation over seeds; vs dense / vs minimal-gpt: the mean over seeds "
+        "of the contender minus the reference on the same seed, ± the standard deviation of that difference: a seed "
+        "fixes the data order, which moves every contender alike, so this is the spread to weigh a gap against; "
+        "tok/s counts bytes and specials per budget second; clock-s used is what training took in its own process, "
+        "the cross-check of the step cost)"
     )
+    return "\n".join(lines)
+
+
+def seed_table(runs: list, names: list) -> str:
+    "Every seed on its own line: each contender's held-out bpb and each one's difference from the references."
+    bpb = {(r["name"], r["seed"]): r["bpb"] for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    diffs = [(n, ref) for ref in REFS if ref in names for n in names if n not in (ref, *REFS[: REFS.index(ref)])]
+    lines = [
+        "per seed (held-out bpb; a difference below 0: the first contender is ahead):",
+        "",
+        "| " + " | ".join(["seed", *names, *(f"{n} - {ref}" for n, ref in diffs)]) + " |",
+        "|---|" + "---|" * (len(names) + len(diffs)),
+    ]
+    for s in seeds:
+        cells = [f"{bpb[n, s]:.4f}" if (n, s) in bpb else "" for n in names]
+        cells += [f"{bpb[n, s] - bpb[ref, s]:+.4f}" if (n, s) in bpb and (ref, s) in bpb else "" for n, ref in diffs]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -252,14 +345,23 @@ def main():
     )
     p.add_argument(
         "--budget",
-        type=float,
+        type=parse_budget,
         default=800.0,
-        help="clock seconds of training per run (800: about the CPU time of the default cipher-train run)",
+        help="clock seconds of training per run, or a duration: 90s, 8m, 2h (800: about the CPU time of the default "
+        "cipher-train run)",
     )
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: process CPU time; wall: elapsed time")
     p.add_argument("--threads", type=int, default=1, help="torch threads (calibration and runs)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per contender")
     p.add_argument("--round-steps", type=int, default=4, help="training steps per timing round")
+    p.add_argument(
+        "--plan",
+        choices=("steps", "budget"),
+        default="steps",
+        help="steps: every contender trains budget / (its calibrated step cost) steps; budget: the cipher_nb "
+        "contenders get training.time_budget and their trainer plans the steps as it runs (on --clock), the "
+        "minimal GPT keeps its calibrated steps",
+    )
     p.add_argument("--calibrate-only", action="store_true", help="print the step-cost table and stop")
     p.add_argument("--seeds", type=int, default=1, help="seeds per contender (0, 1, ...)")
     p.add_argument(
@@ -297,7 +399,7 @@ def main():
     from cipher_nb.config import load_config
 
     warmup = load_config(a.config, a.overrides).training.warmup_steps
-    short = [n for n in names if int(a.budget / costs[n]) <= warmup]
+    short = [n for n in names if not budgeted(a, n) and n != BASELINE and int(a.budget / costs[n]) <= warmup]
     if short:
         sys.exit(
             f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, "
@@ -321,6 +423,8 @@ def main():
         str(a.eval_points),
         "--eval-batches",
         str(a.eval_batches),
+        "--plan",
+        a.plan,
     ]
     if a.config:
         base += ["--config", a.config]
@@ -338,7 +442,8 @@ def main():
                 running.remove(job)
                 print(
                     f"{n:>10} seed {s}: bpb {r['bpb']:.4f} after {r['steps']} steps "
-                    f"({r['used']:.0f} {a.clock}-s used, {r['wall']:.0f} wall-s)",
+                    f"({r['used']:.0f} {a.clock}-s used, {r['used'] / a.budget - 1:+.1%} of the budget, "
+                    f"{r['wall']:.0f} wall-s)",
                     flush=True,
                 )
                 if not block:
@@ -368,7 +473,7 @@ def main():
         reap(True)
     runs.sort(key=lambda r: (names.index(r["name"]), r["seed"]))
     cmd = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
-    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names)
+    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names) + "\n\n" + seed_table(runs, names)
     print("\n" + text)
     out.with_suffix(".md").write_text(text + "\n")
     out.with_suffix(".json").write_text(json.dumps(dict(command=cmd, costs=costs, runs=runs), indent=1))

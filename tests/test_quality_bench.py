@@ -1,11 +1,17 @@
-"benchmarks/quality.py's comparison arithmetic: the per-seed difference from dense and the table built on it."
+"benchmarks/quality.py's comparison arithmetic (per-seed differences, tables) and its minimal GPT baseline."
 
+import argparse
 import importlib.util
+import math
 from pathlib import Path
+
+import pytest
+import torch
 
 spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent.parent / "benchmarks/quality.py")
 quality = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(quality)
+import minimal_gpt  # noqa: E402  (benchmarks/ is on the path once quality is loaded)
 
 
 def run(name, seed, bpb):
@@ -39,3 +45,69 @@ def test_table_weighs_the_gap_by_the_paired_spread():
     assert cells[1] == "2.2000 ± 0.3536"
     assert cells[2] == "-0.0500 ± 0.0000"
     assert cells[3] == "2/2 seeds"
+
+
+def test_budget_takes_seconds_or_a_duration():
+    assert [quality.parse_budget(x) for x in ("90", "90s", "1.5m", "2h")] == [90.0, 90.0, 90.0, 7200.0]
+    with pytest.raises(argparse.ArgumentTypeError):
+        quality.parse_budget("ninety")
+
+
+def test_table_reports_both_references_and_every_seed():
+    runs = [
+        run("minimal-gpt", 0, 2.1),
+        run("minimal-gpt", 1, 2.6),
+        *(run("dense", s, b) for s, b in ((0, 2.0), (1, 2.5))),
+    ]
+    runs += [run("moe", 0, 1.95), run("moe", 1, 2.45)]
+    names = ["minimal-gpt", "dense", "moe"]
+    row = next(line for line in quality.table(runs, names).splitlines() if line.startswith("| moe |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2:6] == ["-0.0500 ± 0.0000", "2/2 seeds", "-0.1500 ± 0.0000", "2/2 seeds"]
+    seeds = quality.seed_table(runs, names).splitlines()
+    assert seeds[2] == "| seed | minimal-gpt | dense | moe | dense - minimal-gpt | moe - minimal-gpt | moe - dense |"
+    assert seeds[5] == "| 1 | 2.6000 | 2.5000 | 2.4500 | -0.1000 | -0.1500 | -0.0500 |"
+
+
+def test_windows_score_every_target_once():
+    for T in (30, 64, 100, 256):
+        seen = [p for s, first in minimal_gpt.windows(T, 64) for p in range(max(s, first), min(T, s + 64))]
+        assert sorted(seen) == list(range(T)), T
+
+
+def test_minimal_gpt_trains_and_is_scored_by_heldout_metrics():
+    from cipher_nb.codecs import ByteCodec
+    from cipher_nb.metrics import heldout_metrics
+
+    codec = ByteCodec()
+    text = b"def f(x):\n    return x + 1\n" * 40
+
+    def batch(T):  # rows of one document each: BOS + bytes in, bytes + EOS out
+        ids = torch.as_tensor(codec.encode_doc(text[: T - 1]))
+        rows = ids.expand(4, -1)
+        return dict(input_ids=rows[:, :-1], labels=rows[:, 1:], doc_ids=torch.zeros(4, T, dtype=torch.long))
+
+    loader = (batch(128) for _ in range(100))
+    tr = minimal_gpt.MinimalTrainer(loader, steps=20, seed=0)
+    losses = [tr.train_step() for _ in range(20)]
+    assert tr.step == 20 and tr.tokens == 20 * 12 * 64
+    assert losses[-1] < losses[0] - 1.0, losses  # it learns the repeated line
+
+    lengths = torch.as_tensor(codec.byte_lengths)
+    tr.model.eval()
+    for T in (64, 256):  # one window, and a sliding window over a row longer than the context
+        held = [batch(T)]
+        got = heldout_metrics(minimal_gpt.HeldoutView(tr.model), held, lengths)["val/bpb"]
+        # independently: every byte target scored with its own full history up to 64 bytes, EOS left out
+        x, y = minimal_gpt.to_bytes(held[0]["input_ids"], held[0]["labels"])
+        nats, n = 0.0, 0
+        with torch.no_grad():
+            for t in range(T):
+                if y[0, t] == -100:
+                    continue
+                s = max(0, t - 63) if T <= 64 else [s for s, f in minimal_gpt.windows(T, 64) if max(s, f) <= t][-1]
+                logp = torch.log_softmax(tr.model(x[:, s : t + 1])[:, -1].double(), -1)
+                nats -= logp[torch.arange(4), y[:, t]].sum().item()
+                n += 4
+        assert n == 4 * (T - 1)  # the EOS target does not count
+        assert abs(got - nats / n / math.log(2)) < 1e-4, (T, got, nats / n / math.log(2))
