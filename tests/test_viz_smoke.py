@@ -5,21 +5,10 @@ import os
 import sys
 from pathlib import Path
 
+import conftest
 from conftest import ROOT, run_cli
 
-TINY = [
-    "training.device=cpu",
-    "model.d_model=32",
-    "model.attention.n_heads=2",
-    "model.attention.n_kv_heads=1",
-    "model.attention.head_dim=16",
-    "model.n_layers=2",
-    "model.moe.n_routed=4",
-    "model.moe.top_k=1",
-    "model.moe.expert_d_ff=32",
-    "training.seq_len=64",
-    "training.batch_size=2",
-]
+TINY = ["training.device=cpu", *conftest.TINY]
 
 
 def test_smoke_run_on_cpu(tmp_path):
