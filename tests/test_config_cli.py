@@ -104,3 +104,20 @@ def test_tiny_cpu_is_the_default():
 
     tiny = load_config(ROOT / "examples/configs/tiny-cpu.yaml")
     assert critical_diff(tiny, Config()) == [] and config_hash(tiny) == config_hash(Config())
+
+
+def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
+    "The 90-second preset loads, and differs from the default only in the step shape, the budget and the eval size."
+    from dataclasses import asdict
+
+    from cipher_nb.config import Config, load_config, parse_duration
+
+    p, d = load_config(ROOT / "examples/configs/tiny-cpu-90s.yaml"), Config()
+    assert (p.training.batch_size, p.training.seq_len) == (12, 64)
+    assert parse_duration(p.training.time_budget) == 90
+    assert p.training.eval_batches * p.training.batch_size * p.training.seq_len >= (
+        d.training.eval_batches * d.training.batch_size * d.training.seq_len
+    )
+    assert asdict(p.model) == asdict(d.model) and asdict(p.data) == asdict(d.data)
+    changed = {k for k, v in asdict(p.training).items() if v != asdict(d.training)[k]}
+    assert changed == {"batch_size", "seq_len", "time_budget", "eval_batches"}, changed
