@@ -29,6 +29,7 @@ from typing import get_args
 import numpy as np
 
 from .config import Config, ConfigError, DataConfig, Source
+from .core import dist_env
 
 # %% ../nbs/02_data.ipynb #8f212503
 @dataclass(frozen=True)
@@ -123,9 +124,9 @@ def pin_hint(data_cfg: DataConfig, spec: SourceSpec) -> str:
 
 
 def warn_unpinned(data_cfg: DataConfig) -> list:
-    "Warn (`UnpinnedWarning`) once per unpinned hub source; return the warning lines."
+    "Warn (`UnpinnedWarning`, on the main rank only) once per unpinned hub source; return the warning lines."
     lines = [pin_hint(data_cfg, s) for s in unpinned_sources(data_cfg)]
-    for line in lines:
+    for line in lines if dist_env().is_main else ():
         warnings.warn(line, UnpinnedWarning, stacklevel=2)
     return lines
 
