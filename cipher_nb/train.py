@@ -7,8 +7,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/train.html.md"""
 # %% auto #0
 __all__ = ['NO_HELDOUT', 'BUDGET_MAX_STEPS', 'EXIT_FAILED', 'EXIT_USAGE', 'EXIT_OOM', 'codec_description', 'RunCheckpoints',
            'TensorBoardCallback', 'WandbCallback', 'logger_callbacks', 'stage_hooks', 'init_distributed', 'wrap_model',
-           'resume_source', 'check_start', 'build_trainer', 'truncate_metrics', 'restore', 'resolve_run', 'run_summary',
-           'RunDirError', 'holds_run', 'claim_run_dir', 'one_line_warning', 'exit_with', 'cipher_train']
+           'resume_source', 'check_start', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
+           'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'claim_run_dir', 'one_line_warning', 'exit_with',
+           'cipher_train']
 
 # %% ../nbs/11_train.ipynb #c0aa1c89
 import argparse
@@ -211,6 +212,11 @@ def check_start(cfg: Config, source, fingerprint: str, hooks: StageHooks, world_
         raise ConfigError(f"stage.name = '{cfg.stage.name}' starts from the previous stage's weights: give --init PATH")
 
 # %% ../nbs/11_train.ipynb #4d0211cc
+def heldout_eval(byte_lengths):
+    "The evaluation of a run: `heldout_metrics` over the trainer's held-out batches."
+    return lambda tr: heldout_metrics(tr.model, tr.heldout, byte_lengths, tr.device, tr.dtype, tr.env)
+
+
 NO_HELDOUT = (
     "no held-out data: this run logs no val/* metrics. Hold some out with data.heldout_frac, a separate file with "
     "data.heldout_path, or the end of each file with data.heldout_tail_bytes"
@@ -268,9 +274,7 @@ def build_trainer(
         scaler=torch.amp.GradScaler(device.type) if choice.scaler else None,
         curriculum=Curriculum(cfg),
         monitor=MonitorCallback(cfg),
-        eval_fn=(lambda tr: heldout_metrics(tr.model, tr.heldout, lengths, tr.device, tr.dtype, tr.env))
-        if heldout
-        else None,
+        eval_fn=heldout_eval(lengths) if heldout else None,
         heldout=heldout,
         record=record,
         checkpoints=RunCheckpoints(cfg, run_dir, loader, fingerprint, codec_info, hooks.export_model),

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from fastcore.basics import patch
 
-from .callbacks import Callback, run_callbacks
+from .callbacks import run_callbacks
 from .config import Config, parse_duration
 from .core import DistEnv, autocast, autocast_dtype, dist_env
 from .metrics import mem_gb, mfu, sum_over_ranks
