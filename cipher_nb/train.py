@@ -9,7 +9,7 @@ __all__ = ['NO_HELDOUT', 'BUDGET_MAX_STEPS', 'EXIT_FAILED', 'EXIT_USAGE', 'EXIT_
            'TensorBoardCallback', 'WandbCallback', 'logger_callbacks', 'stage_hooks', 'init_distributed', 'wrap_model',
            'resume_source', 'check_start', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
            'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'claim_run_dir', 'one_line_warning', 'exit_with',
-           'cipher_train']
+           'smaller_batch', 'oom_advice', 'cipher_train']
 
 # %% ../nbs/11_train.ipynb #c0aa1c89
 import argparse
@@ -37,7 +37,7 @@ from .curriculum import Curriculum
 from .data import DataError, data_fingerprint
 from .export import export_model
 from .faults import FaultCallback, parse_faults
-from .metrics import GPUUtilization, device_peak_flops, heldout_metrics
+from .metrics import GPUUtilization, device_peak_flops, heldout_metrics, mem_gb
 from .model import CipherModel
 from .monitor import MonitorCallback
 from .optim import build_optimizer, optimizer_kind
@@ -418,6 +418,34 @@ def exit_with(code: int, message: str):
     print(f"cipher-train: {message}", file=sys.stderr)
     raise SystemExit(code)
 
+# %% ../nbs/11_train.ipynb #76cfa161
+def smaller_batch(batch_size: int, grad_accum: int):
+    "The next smaller micro-batch that divides `batch_size`, and the accumulation that keeps the tokens per step."
+    smaller = max((d for d in range(1, batch_size) if batch_size % d == 0), default=None)
+    return (smaller, grad_accum * batch_size // smaller) if smaller else None
+
+
+def oom_advice(cfg: Config, device, step=None, peak_gb: float = None) -> str:
+    "What an out-of-memory stop prints: where, the measured peak, the batch, and the fixes in the order to try them."
+    t = cfg.training
+    peak = mem_gb(device) if peak_gb is None else peak_gb
+    fixes = []
+    if smaller := smaller_batch(t.batch_size, t.grad_accum):
+        fixes.append(
+            f"training.batch_size={smaller[0]} training.grad_accum={smaller[1]}: the same tokens per step in smaller "
+            "micro-batches (batch_size is training-critical: a new run, or --init from the last checkpoint)"
+        )
+    if t.activation_checkpoint != "full":
+        mode = "selective" if t.activation_checkpoint == "none" else "full"
+        fixes.append(f"training.activation_checkpoint={mode}: recompute activations in backward (continues this "
+                     "run with --resume auto)")
+    if t.parallel != "fsdp":
+        fixes.append("training.parallel=fsdp under torchrun: shard parameters, gradients and optimizer state")
+    where = f"at step {step}" if step is not None else "before the first step"
+    head = (f"out of memory {where} (peak {peak:.2f} GB on {device}; batch {t.batch_size} x {t.seq_len} tokens, "
+            f"grad_accum {t.grad_accum})")
+    return head + "".join(f"\n  {i}. {f}" for i, f in enumerate(fixes, 1)) if fixes else head
+
 # %% ../nbs/11_train.ipynb #b9f6b0f1
 @call_parse(pos=["config"])
 def cipher_train(
@@ -440,6 +468,7 @@ def cipher_train(
     Exit codes: 0 finished or stopped cleanly (SIGTERM / SIGINT), 1 the run failed, 2 a usage or config error (nothing
     written), 3 out of memory (the last checkpoint intact)."""
     warnings.formatwarning = one_line_warning
+    trainer = None
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, (config, *overrides)
     try:
@@ -459,12 +488,9 @@ def cipher_train(
             trainer.fit(progress=not quiet, reraise=False)
         except (NonFiniteError, DataError, ck.CheckpointError, OSError, ValueError) as e:
             exit_with(EXIT_FAILED, f"{e} (stopped at step {trainer.step}; resume with --out {run_dir} --resume auto)")
-    except torch.OutOfMemoryError as e:
-        exit_with(
-            EXIT_OOM,
-            f"out of memory ({str(e).splitlines()[0]}); lower training.batch_size (raise "
-            "training.grad_accum to keep the tokens per step) and resume with --resume auto",
-        )
+    except torch.OutOfMemoryError:
+        device = trainer.device if trainer else resolve_device(cfg.training.device)
+        exit_with(EXIT_OOM, oom_advice(cfg, device, trainer and trainer.step))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -148,8 +148,12 @@ def test_out_of_memory_exits_3_and_keeps_the_last_checkpoint(tmp_path):
     run = tmp_path / "run"
     r = train(run, "--max-steps", "6", "training.checkpoint_every=2", *SMALL, "--fault", "oom@3")
     assert r.returncode == 3, r.stderr[-2000:]
-    assert "out of memory" in r.stderr and "Traceback" not in r.stderr
+    assert "out of memory at step 3 (peak" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "batch 4 x 64 tokens" in r.stderr and "1. training.batch_size=2 training.grad_accum=2" in r.stderr
+    assert "2. training.activation_checkpoint=selective" in r.stderr
     assert (run / "checkpoints/step_0000002/COMPLETE").exists() and not (run / "final").exists()
+    r = train(run, "--resume", "auto", "training.activation_checkpoint=selective")  # the second fix resumes it
+    assert r.returncode == 0 and "step_0000002" in r.stderr, r.stderr[-2000:]
 
 
 def test_a_bad_fault_spec_is_one_clear_line(tmp_path):
