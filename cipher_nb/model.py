@@ -6,9 +6,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/model.html.md"""
 
 # %% auto #0
 __all__ = ['ATTN_KERNELS', 'RESIDUAL_OUT', 'rope_frequencies', 'rope_tables', 'apply_rope', 'attention_kernel', 'attention_mask',
-           'mask_mod', 'flex_functions', 'block_mask', 'varlen_offsets', 'AttnMask', 'build_attn_mask', 'attend',
-           'Attention', 'attention_kernels_used', 'Block', 'fused_cross_entropy', 'ModelOutput', 'token_similarity',
-           'LayerStats', 'CipherModel']
+           'mask_mod', 'flex_functions', 'block_mask', 'varlen_offsets', 'AttnMask', 'build_attn_mask',
+           'varlen_window_size', 'attend', 'Attention', 'attention_kernels_used', 'Block', 'fused_cross_entropy',
+           'ModelOutput', 'token_similarity', 'LayerStats', 'CipherModel']
 
 # %% ../nbs/06_model.ipynb #d9957e1d
 import functools
@@ -116,7 +116,7 @@ def _compiled(fn):
 
 def flex_functions(device) -> tuple:
     "(`create_block_mask`, `flex_attention`) for `device`: compiled once on CUDA, eager elsewhere."
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():  # a compiled block inlines flex
         return _compiled(create_block_mask), _compiled(flex_attention)
     return create_block_mask, flex_attention
 
@@ -168,14 +168,18 @@ def build_attn_mask(kernel: str, T: int, doc_ids=None, window: int = 0, valid=No
     return AttnMask("sdpa", dense=attention_mask(T, doc_ids, window, valid, device))
 
 # %% ../nbs/06_model.ipynb #b077382a
+def varlen_window_size(window: int) -> tuple:
+    "Flash's `window_size = (left, right)` (query i sees keys i - left .. i + right) for a causal `window`."
+    return (window - 1, 0) if window else (-1, 0)
+
+
 def _varlen(q, k, v, mask: AttnMask, gqa: bool):
     from torch.nn.attention.varlen import varlen_attn
 
     B, H, T, hd = q.shape
-    window = (mask.window - 1, 0) if mask.window else (-1, 0)
     q, k, v = (t.transpose(1, 2).reshape(B * T, t.shape[1], hd) for t in (q, k, v))  # [B*T, heads, hd]
     cu, n = mask.cu_seqlens, mask.max_len
-    y = varlen_attn(q, k, v, cu, cu, n, n, window_size=window, enable_gqa=gqa)
+    y = varlen_attn(q, k, v, cu, cu, n, n, window_size=varlen_window_size(mask.window), enable_gqa=gqa)
     return y.view(B, T, H, hd).transpose(1, 2)
 
 
