@@ -2,6 +2,7 @@
 CUDA masks' size. The CUDA tests are skipped without a GPU."""
 
 import math
+import typing
 from dataclasses import replace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from cipher_nb.config import model_config
+from cipher_nb.config import AttnKernel, model_config
 from cipher_nb.model import (
     ATTN_KERNELS,
     AttnMask,
@@ -109,7 +110,7 @@ def test_model_flex_equals_sdpa(cfg):
 
 
 def test_kernel_choice():
-    assert ATTN_KERNELS == ("sdpa", "flex", "varlen")
+    assert ATTN_KERNELS == typing.get_args(AttnKernel) == ("sdpa", "flex", "varlen")
     assert attention_kernel("auto", "cuda", needs_mask=True) == "flex"
     assert attention_kernel("auto", torch.device("cuda", 0), needs_mask=False) == "sdpa"
     assert attention_kernel("auto", "cpu", needs_mask=True, grad=True) == "sdpa"
