@@ -437,13 +437,17 @@ def oom_advice(cfg: Config, device, step=None, peak_gb: float = None) -> str:
         )
     if t.activation_checkpoint != "full":
         mode = "selective" if t.activation_checkpoint == "none" else "full"
-        fixes.append(f"training.activation_checkpoint={mode}: recompute activations in backward (continues this "
-                     "run with --resume auto)")
+        fixes.append(
+            f"training.activation_checkpoint={mode}: recompute activations in backward (continues this "
+            "run with --resume auto)"
+        )
     if t.parallel != "fsdp":
         fixes.append("training.parallel=fsdp under torchrun: shard parameters, gradients and optimizer state")
     where = f"at step {step}" if step is not None else "before the first step"
-    head = (f"out of memory {where} (peak {peak:.2f} GB on {device}; batch {t.batch_size} x {t.seq_len} tokens, "
-            f"grad_accum {t.grad_accum})")
+    head = (
+        f"out of memory {where} (peak {peak:.2f} GB on {device}; batch {t.batch_size} x {t.seq_len} tokens, "
+        f"grad_accum {t.grad_accum})"
+    )
     return head + "".join(f"\n  {i}. {f}" for i, f in enumerate(fixes, 1)) if fixes else head
 
 # %% ../nbs/11_train.ipynb #b9f6b0f1
