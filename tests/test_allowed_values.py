@@ -4,7 +4,7 @@ from typing import get_args
 
 import pytest
 
-from cipher_nb import boundary, config, data, moe, optim, precision, stages
+from cipher_nb import boundary, config, data, model, moe, optim, precision, stages
 
 
 def names(literal) -> tuple:
@@ -14,6 +14,7 @@ def names(literal) -> tuple:
 # (module tuple, the config Literal it must agree with); the module attribute is read at test time
 PAIRS = [
     ("moe.MOE_IMPLS", lambda: moe.MOE_IMPLS, config.MoEKernel),
+    ("model.ATTN_KERNELS", lambda: model.ATTN_KERNELS, config.AttnKernel),
     ("boundary.BP_MODES", lambda: boundary.BP_MODES, config.BPMode),
     ("boundary.CAUSAL_BP_MODES", lambda: boundary.CAUSAL_BP_MODES, config.CausalBPMode),
     ("precision.PRECISIONS", lambda: precision.PRECISIONS, config.Precision),
@@ -35,6 +36,8 @@ def test_config_fields_use_the_literals():
 
     want = {
         (config.MoEConfig, "impl"): config.MoEImpl,
+        (config.AttentionConfig, "impl"): config.AttnImpl,
+        (config.TrainConfig, "activation_checkpoint"): config.ActCheckpoint,
         (config.MoEConfig, "router_score"): config.RouterScore,
         (config.BoundaryConfig, "mode"): config.BPMode,
         (config.BoundaryConfig, "loss"): config.BPLoss,
@@ -54,6 +57,10 @@ def test_config_fields_use_the_literals():
 
 def test_moe_impl_is_auto_plus_the_kernels():
     assert names(config.MoEImpl) == ("auto", *moe.MOE_IMPLS)
+
+
+def test_attention_impl_is_auto_plus_the_kernels():
+    assert names(config.AttnImpl) == ("auto", *model.ATTN_KERNELS)
 
 
 def test_low_precision_chain_is_allowed():
