@@ -131,3 +131,11 @@ def test_example_notebook_runs_all_in_a_kernel(name):
     ]
     noise = [s for c in nb.cells if c.cell_type == "code" for s in [stderr(c)] if s and "Warning" not in s]
     assert not [s for s in noise if "Traceback" in s or "Error" in s], noise
+
+
+def test_notebooks_carry_the_kernel_metadata_jupyterlab_writes():
+    "JupyterLab marks a notebook modified on opening when its kernelspec or language_info differ from the kernel's."
+    for path in sorted([*(ROOT / "nbs").glob("*.ipynb"), *(ROOT / "examples").glob("*.ipynb")]):
+        md = json.loads(path.read_text())["metadata"]
+        assert md.get("kernelspec", {}).get("display_name") == "Python 3 (ipykernel)", path.name
+        assert md.get("language_info", {}).get("name") == "python" and md["language_info"].get("version"), path.name

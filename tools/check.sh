@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 snap() { git status --porcelain -- nbs cipher_nb; git diff -- nbs cipher_nb | sha1sum; }
 before=$(snap)
 nbdev-clean
+python tools/nb_metadata.py
 nbdev-export
 if [ "$before" != "$(snap)" ]; then
-  echo "FAIL: nbdev-clean / nbdev-export changed nbs/ or cipher_nb/: notebooks and library were not in sync." >&2
+  echo "FAIL: nbdev-clean / nb_metadata.py / nbdev-export changed nbs/ or cipher_nb/: notebooks and library were not in sync." >&2
   git status --short -- nbs cipher_nb >&2
   exit 1
 fi
