@@ -8,9 +8,9 @@ no token, so run it only on a machine you trust. From the repository root:
     python tools/browser_smoke.py [--out benchmarks/results/notebook-screens] [01_pretrain 02_refinement ...]
 
 For each notebook: open it, check that JupyterLab did not mark it modified on opening (tools/nb_metadata.py), Run
-All, take a screenshot of the
-live dashboard while it trains and of the plots at the end, and check that the dashboard widget rendered and that
-no cell shows an error. The notebooks are not saved (nothing in examples/ changes but examples/runs/)."""
+All, take a screenshot of the live dashboard while it trains and of the plots at the end, and check that the
+dashboard widget rendered and that no cell shows an error. The notebooks are not saved (nothing in examples/ changes
+but examples/runs/)."""
 
 import argparse
 import socket
