@@ -267,7 +267,7 @@ def main(
     warmup: int = 2,  # untimed steps first; the first one compiles (its time is printed on its own)
     compile: bool = False,  # add +compile to every --modes spec
     peak: float = 989e12,  # dense bf16 FLOP/s of one GPU for MFU (H100 / H200 SXM)
-    time_limit: float = 420,  # seconds: a mode that would start after this is skipped
+    time_limit: float = 360,  # seconds: a mode that would start after this is skipped
     smoke: bool = False,  # tiny shapes on the CPU, low precision emulated: a test of this script
     cpu_compile: bool = False,  # with --smoke: compile the +compile modes on the CPU too (slow)
     out: str = "",  # also write the results as JSON here
