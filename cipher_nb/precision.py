@@ -549,6 +549,11 @@ def convert_model(
             report["experts"] = _convert_experts(model, mode, cfgs["grouped"], emulate, libs, multiple, min_dim)
         else:
             report["experts"] = dict(path="high precision", converted=[], kept={}, reason="experts=False")
+    if mode in LOW_PRECISION and not report["converted"] and not report["experts"].get("converted"):
+        warnings.warn(
+            f"{mode}: no layer reaches fp8_min_dim {min_dim} (or passes the filter), so nothing was converted and the "
+            f"model trains in bf16 autocast; lower training.fp8_min_dim to convert narrower layers"
+        )
     if probe is not None:
         try:
             report["kernels"] = _run_probe(model, probe)
