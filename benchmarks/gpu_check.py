@@ -41,6 +41,11 @@ from cipher_nb.optim import build_optimizer
 from cipher_nb.precision import convert_model, detect_precision, probe_device, probe_libs
 from cipher_nb.sizing import flops_per_token, param_counts
 
+try:  # the project's block-wise checkpointing and compilation, where this checkout has them
+    from cipher_nb.parallel import apply_ac, apply_compile
+except ImportError:  # an older checkout: the script's own equivalents below
+    apply_ac = apply_compile = None
+
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = dict(h100="examples/configs/h100.yaml", wide="examples/configs/wide-h100.yaml")
 PLAN = (  # (preset, mode spec), in the order they run: the most wanted first, in case the time limit cuts the tail
@@ -94,7 +99,7 @@ def parse_mode(spec: str) -> dict:
     )
 
 
-class Checkpointed(nn.Module):
+class Checkpointed(nn.Module):  # the fallback when cipher_nb.parallel is missing
     "A block whose activations are recomputed in the backward pass instead of kept (full activation checkpointing)."
 
     def __init__(self, block: nn.Module):
@@ -170,10 +175,16 @@ def run_mode(cfg, spec: str, device, steps: int, warmup: int, emulate: bool, cpu
     )
     opt = build_optimizer(model, cfg)  # before wrapping: the optimizer's parameter names stay the model's own
     if m["ac"]:
-        checkpoint_blocks(model)
+        if apply_ac is not None:
+            apply_ac(model, "full")
+        else:
+            checkpoint_blocks(model)
     if compiled:
         torch._dynamo.reset()  # each mode compiles from scratch, so its first step shows the whole compile time
-        compile_blocks(model)
+        if apply_compile is not None:
+            apply_compile(model)
+        else:
+            compile_blocks(model)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(i):
@@ -303,6 +314,8 @@ def main(
         f"libraries: {', '.join(k for k in ('float8', 'fp8_grouped', 'mxfp8', 'nvfp4', 'triton') if getattr(libs, k))}"
         + (f"; missing: {libs.why}" if libs.why else "")
     )
+    where = "cipher_nb.parallel" if apply_compile is not None else "this script's fallback (no cipher_nb.parallel)"
+    print(f"compile and activation checkpointing: {where}")
     if smoke and not cpu_compile:
         print("smoke: +compile modes run eagerly (pass --cpu-compile to compile on the CPU)")
     presets, rows = {}, {}
