@@ -93,7 +93,7 @@ def step(model):
 def test_convert_real_moe_trains_and_keeps_filtered_modules_high(mode):
     torch.manual_seed(0)
     model = Tiny(tiny_cfg(moe_impl="grouped"))
-    report = convert_model(model, detect_precision(mode, DeviceCaps(), emulate=True), probe=step)
+    report = convert_model(model, detect_precision(mode, DeviceCaps(), emulate=True), probe=step, min_dim=0)
     converted = sorted(report["converted"])
     assert converted == [
         f"layers.{i}.{n}"
@@ -141,7 +141,7 @@ def test_cipher_model_converts(mode):
             out = m(input_ids=ids, labels=ids)
         (out.loss + sum(out.aux.values())).backward()
 
-    report = convert_model(model, detect_precision(mode, DeviceCaps(), emulate=True), probe=probe)
+    report = convert_model(model, detect_precision(mode, DeviceCaps(), emulate=True), probe=probe, min_dim=0)
     kept = report["kept"]
     assert kept["head"] == "LM head" and kept["layers.1.ffn.router"] == "router gate"
     assert {v for k, v in kept.items() if k.startswith("boundary.")} == {"boundary predictor"}
@@ -169,6 +169,66 @@ def test_gpu_check_smoke_runs_on_cpu(root):
     rows = {line.split()[0]: line for line in table.splitlines()[2:] if line.strip()}
     assert set(rows) == {"bf16", "fp8", "mxfp8"} and "FAILED" not in table, table
     assert "mxfp8 grouped GEMM" in rows["mxfp8"] and rows["bf16"].split()[6] == "1.00"
+
+
+def test_gpu_check_smoke_runs_the_whole_plan_on_cpu(root):
+    "The default plan (both presets, compiled, fp8, checkpointed) on tiny shapes: one table per preset."
+    r = run_cli(sys.executable, "benchmarks/gpu_check.py", "--smoke", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    tables = {t.split(":")[0]: t for t in out.split("\n\n") if ": ratios to " in t}
+
+    def rows(table):
+        lines = [line for line in table.splitlines()[3:] if line.strip()]
+        return {line.split()[0]: line.split() for line in lines}
+
+    h, w = rows(tables["h100.yaml"]), rows(tables["wide-h100.yaml"])
+    assert set(h) == {"bf16", "bf16+compile", "fp8+compile", "fp8+compile+all"}, out
+    assert set(w) == {"bf16+compile", "fp8+compile", "bf16+compile+ac"}, out
+    assert h["bf16"][6] == "1.00" and w["bf16+compile"][6] == "1.00"
+    assert int(w["fp8+compile"][9]) > 0 and int(w["bf16+compile+ac"][9]) == 0  # the converted column
+    assert "compile modes run eagerly" in out
+
+
+@pytest.mark.parametrize(
+    "device,want",
+    [
+        (DeviceCaps(True, (9, 0), True, "H100"), "bf16"),
+        (DeviceCaps(True, (10, 0), True, "B200"), "bf16"),
+        (DeviceCaps(True, (7, 0), False, "V100"), "fp16"),
+        (DeviceCaps(), "fp32"),
+    ],
+)
+def test_auto_is_bf16_on_gpus_and_never_low_precision(device, want):
+    libs = probe_libs()
+    libs.float8 = libs.fp8_grouped = libs.mxfp8 = libs.nvfp4 = libs.triton = True  # everything on offer
+    choice = detect_precision("auto", device, libs)
+    assert choice.mode == want and choice.scaler == (want == "fp16"), choice
+    assert detect_precision("fp8", DeviceCaps(True, (9, 0), True, "H100"), libs).mode == "fp8"  # asked by name
+
+
+def test_fp8_min_dim_filters_real_model_layers():
+    "A CipherModel of width 64: at min_dim 64 the square projections convert, the narrow ones stay with a reason."
+    from cipher_nb.model import CipherModel
+
+    torch.manual_seed(0)
+    model = CipherModel(tiny_cfg(n_layers=2, moe_impl="grouped"))
+    report = convert_model(model, detect_precision("fp8", DeviceCaps(), emulate=True), min_dim=64)
+    # by hand: wq and wo are 64 -> 64 (4 heads of 16); wk, wv 64 -> 32 (2 KV heads); the dense first layer's
+    # SwiGLU is 64 -> (2 + 1) x 32 = 96 and back; the shared expert 64 -> 32 and back
+    assert sorted(report["converted"]) == sorted(
+        [f"layers.{i}.attn.{w}" for i in range(2) for w in ("wq", "wo")]
+        + [f"layers.0.ffn.{w}" for w in ("w_gate", "w_up", "w_down")]
+    )
+    assert report["kept"]["layers.1.attn.wk"] == "out 32 < fp8_min_dim 64"
+    assert report["kept"]["layers.1.ffn.shared.w_down"] == "in 32 < fp8_min_dim 64"
+    assert report["summary"]["skipped"]["out 32 < fp8_min_dim 64"] == [
+        "layers.*.attn.wk",
+        "layers.*.attn.wv",
+        "layers.*.ffn.shared.w_gate",
+        "layers.*.ffn.shared.w_up",
+    ]
+    assert type(model.layers[1].attn.wk) is nn.Linear and type(model.layers[1].attn.wq).__name__ == "Float8Linear"
 
 
 def run_steps(model, opt, n, start=0):
@@ -249,6 +309,6 @@ def test_detection_on_this_machine_matches_the_device():
     if not caps.cuda:
         assert choice.mode == "fp32" and "CPU" in choice.reason
     else:
-        assert choice.mode in ("bf16", "fp16", "fp8", "mxfp8")
+        assert choice.mode in ("bf16", "fp16")  # auto never picks a low-precision mode
     libs = probe_libs()
     assert libs.float8, libs.why  # torchao is a dependency: its float8 path must import
