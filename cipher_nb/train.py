@@ -241,7 +241,11 @@ def build_trainer(
         load_weights(cfg.stage.init, model)
     model = hooks.model(model, cfg)
     choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
-    kernels = convert_model(model, choice) if choice.mode in ("fp8", "mxfp8", "nvfp4") else {}
+    kernels = (
+        convert_model(model, choice, min_dim=cfg.training.fp8_min_dim)
+        if choice.mode in ("fp8", "mxfp8", "nvfp4")
+        else {}
+    )
     wrapped = wrap_model(model, cfg, env, device)
     optimizer = build_optimizer(wrapped, cfg)
     loader, heldout = hooks.data(cfg, env.rank, env.world_size)

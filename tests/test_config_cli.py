@@ -31,8 +31,9 @@ def test_h100_preset_prints_its_values():
         10000,
         0.1,
         1.0,
-        "bf16",
+        "auto",
     )
+    assert t["compile"] is True
     assert (t["checkpoint_every"], t["eval_every"], t["log_every"]) == (500, 500, 10)
     assert "# config hash:" in r.stdout and "active per token" in r.stdout
 
