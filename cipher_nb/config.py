@@ -203,9 +203,7 @@ class TrainConfig:
     device: str = cosmetic("auto")
     parallel: Parallel = "ddp"  # fsdp under torchrun
     compile: bool = cosmetic(False)  # torch.compile each block (regional compilation)
-    activation_checkpoint: ActCheckpoint = cosmetic(
-        "none"
-    )  # per block: recompute activations in backward to save memory
+    activation_checkpoint: ActCheckpoint = cosmetic("none")  # per block: recompute activations in backward to save memory
     fp8_min_dim: int = 2048  # fp8 converts a linear only when its in and out features both reach this
     max_nonfinite: int = 5  # consecutive skipped steps before the run stops
     eval_batches: int = 48  # held-out batches per evaluation (tiny-cpu: the whole stdlib held-out split)
