@@ -15,10 +15,11 @@ Contenders (all with the same shared experts, and the same loss `(y * g).sum()` 
   dense       a SwiGLU of width (top_k + n_shared) * expert_d_ff: the same matmul FLOPs per token, no routing
 
 `--candidates` adds the variants the CPU speed work weighed, each a switch on the module as it stands:
-  ours[grouped] +topk        route with `topk` instead of two argmax passes
-  ours[grouped] +fused       gate and up as one product over the concatenated weights at any row count
-  ours[grouped] +topk+fused  both: the block as it was before
-  ours[bmm] forced           one batched product, every expert padded to the largest load
+  ours[grouped]+topk        route with `topk` instead of two max passes (`top_indices`)
+  ours[grouped]+fused       gate and up as one product over the concatenated weights at any row count
+  ours[grouped]+apart       gate and up as two products at any row count
+  ours[grouped]+topk+fused  topk and always fused: the block as it was before these candidates
+  ours[bmm] forced          one batched product, every expert padded to the largest load
 """
 
 import dataclasses
@@ -103,38 +104,45 @@ def check_same_function(device, dtype):
         moe.cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl=impl))
         err = ((moe(x)[0].float() - ref).abs().max() / ref.abs().max()).item()
         assert err < tol, f"ours[{impl}] differs from the HF-style block: relative error {err:.1e}"
-        for topk, fused in ((True, False), (False, True), (True, True)):
+        for topk, fused in VARIANTS.values():
             with variant(topk, fused):
                 err = ((moe(x)[0].float() - ref).abs().max() / ref.abs().max()).item()
             assert err < tol, f"ours[{impl}] topk={topk} fused={fused}: relative error {err:.1e}"
 
 
 @contextmanager
-def variant(topk: bool = False, fused: bool = False):
-    "Run the block with `topk` routing and/or the fused gate/up product at any size (the candidates that lost)."
+def variant(topk: bool = False, fused: bool | None = None):
+    "Run the block with `topk` routing, and the gate/up product fused always (True), never (False) or by the rule."
     saved = moe_mod.top_indices, moe_mod.FUSED_GATE_UP_ROWS
     if topk:
         moe_mod.top_indices = lambda s, k: s.topk(k, dim=-1).indices
-    if fused:
-        moe_mod.FUSED_GATE_UP_ROWS = 0
+    if fused is not None:
+        moe_mod.FUSED_GATE_UP_ROWS = 0 if fused else 2**62
     try:
         yield
     finally:
         moe_mod.top_indices, moe_mod.FUSED_GATE_UP_ROWS = saved
 
 
+VARIANTS = {  # name suffix: (topk, fused)
+    "+topk": (True, None),
+    "+fused": (False, True),
+    "+apart": (False, False),
+    "+topk+fused": (True, True),
+}
+
+
 def candidates(cfg, device, dtype):
     "The CPU speed candidates: name -> (module, forward)."
     out = {}
-    for topk, fused in ((True, False), (False, True), (True, True)):
+    for suffix, (topk, fused) in VARIANTS.items():
         m = MoE(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl="grouped"))).to(device, dtype)
-        name = "ours[grouped]" + ("+topk" if topk else "") + ("+fused" if fused else "")
 
         def fwd(x, m=m, topk=topk, fused=fused):
             with variant(topk, fused):
                 return _with_aux(m(x))
 
-        out[name] = (m, fwd)
+        out["ours[grouped]" + suffix] = (m, fwd)
     return out
 
 
@@ -234,9 +242,24 @@ def bench_shape(name, shape, device, dtype, paths, reps, warmup, compile=False, 
         f"ours vs hf-loop: {med['hf-loop'] / med[ours]:.1f}x faster (goal >= 5x); "
         f"ours / dense: {med[ours] / med['dense']:.2f}x (goal <= 1.5x)"
     )
+    if cands:
+        time_routing(B * T, E, k, device, reps)
     if profile:
         profile_step(lambda: step(*cs[ours]), device)
     return med
+
+
+def time_routing(n, E, k, device, reps):
+    "The choice alone, on [n, E] scores: `top_indices` (two max passes for k <= 2) against `topk`."
+    s = torch.rand(n, E, device=device)
+    t = {}
+    for name, fn in (("top_indices", lambda: moe_mod.top_indices(s, k)), ("topk", lambda: s.topk(k, -1).indices)):
+        fn()
+        t[name] = statistics.median(timeit(lambda: [fn() for _ in range(20)], device) / 20 for _ in range(reps))
+    print(
+        f"choice of top-{k} over [{n}, {E}] scores: top_indices {t['top_indices'] * 1e6:.0f} us, "
+        f"topk {t['topk'] * 1e6:.0f} us ({t['topk'] / t['top_indices']:.1f}x)"
+    )
 
 
 def profile_step(fn, device):

@@ -89,3 +89,12 @@ def test_no_recompile_on_second_call():
         _fwd_bwd(fn, x2, cos, sin, g)
         blk.ffn.update_bias()
         _fwd_bwd(fn, x, cos, sin, g)
+
+
+def test_eval_block_compiles_to_one_graph():
+    "Without the training-only load count, the whole MoE traces as one graph (fullgraph=True would fail otherwise)."
+    torch._dynamo.reset()
+    m = MoE(CFG).eval()
+    x, _, _ = _inputs()
+    y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)[0]
+    torch.testing.assert_close(y, m(x)[0], rtol=1e-5, atol=1e-6)
