@@ -334,8 +334,8 @@ def resolve_moe_impl(impl: str, device, dtype=torch.float32, d_model: int = 8, h
     device = torch.device(device)
     aligned = d_model % 8 == 0 and hidden % 8 == 0
     if impl == "auto":
-        hopper_bf16 = (
-            device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) and dtype == torch.bfloat16
+        hopper_bf16 = (  # device properties, not capability: torch.compile folds them to a constant
+            device.type == "cuda" and torch.cuda.get_device_properties(device).major >= 9 and dtype == torch.bfloat16
         )
         cpu = device.type == "cpu" and dtype in GROUPED_DTYPES
         return "grouped" if (cpu or hopper_bf16) and _GROUPED_MM is not None and aligned else "bmm"
