@@ -218,8 +218,10 @@ def bench_shape(name, shape, device, dtype, paths, reps, warmup, compile=False, 
     for n, (mod, fwd) in cs.items():
         for _ in range(warmup):
             step(mod, fwd)
-    for _ in range(reps):  # round-robin, so drifting machine load hits every contender alike
-        for n, (mod, fwd) in cs.items():
+    names = list(cs)
+    for r in range(reps):  # round-robin, so drifting machine load hits every contender alike
+        for n in names[r % len(names) :] + names[: r % len(names)]:  # each round starts with the next contender
+            mod, fwd = cs[n]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times[n].append(timeit(lambda: step(mod, fwd), device))
