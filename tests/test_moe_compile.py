@@ -98,3 +98,27 @@ def test_eval_block_compiles_to_one_graph():
     x, _, _ = _inputs()
     y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)[0]
     torch.testing.assert_close(y, m(x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_load_counted_once_with_checkpointing():
+    "Checkpointing around a compiled MoE, or inside a compiled function, recomputes the forward but counts it once."
+    from torch.utils.checkpoint import checkpoint
+
+    torch._dynamo.reset()
+    m = MoE(CFG).train()
+    x = torch.randn(2, 16, CFG.d_model, requires_grad=True)
+    mc = torch.compile(m, backend="aot_eager")
+
+    def inner(x):
+        return checkpoint(m, x, use_reentrant=False)
+
+    runs = {
+        "checkpoint(compiled), non-reentrant": lambda: checkpoint(mc, x, use_reentrant=False),
+        "checkpoint(compiled), reentrant": lambda: checkpoint(mc, x, use_reentrant=True),
+        "compiled(checkpoint)": lambda: torch.compile(inner, backend="aot_eager")(x),
+    }
+    for name, run in runs.items():
+        m.take_load()
+        y, _, stats = run()
+        y.sum().backward()
+        assert torch.equal(m.take_load(), stats["expert_counts"].long()), name
