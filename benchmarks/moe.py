@@ -3,23 +3,36 @@ active FLOPs per token, side by side in one process, with ratios.
 
     python benchmarks/moe.py                      # CPU, fp32, about a minute on 2 cores
     python benchmarks/moe.py --device cuda --paths  # a GPU, bf16, every dispatch path, TFLOP/s and peak memory
+    OMP_NUM_THREADS=1 python benchmarks/moe.py --shape tiny-cpu-90s --candidates  # the CPU speed candidates
+
+On CPU a step's time is the process's CPU time (`time.process_time`), so that other jobs on a shared machine do not
+count; with OMP_NUM_THREADS=1 it equals the step's single-thread time. On CUDA it is the device time.
 
 Contenders (all with the same shared experts, and the same loss `(y * g).sum()` on a fixed random `g`):
   ours[path]  cipher_nb.moe.MoE; `auto` is the path the config's default picks on this device
   hf-loop     the eager pattern of transformers' Mixtral block: one nn.Module per expert, a Python loop over the
               experts that received tokens, `index_add_` of each expert's gated output
   dense       a SwiGLU of width (top_k + n_shared) * expert_d_ff: the same matmul FLOPs per token, no routing
+
+`--candidates` adds the variants the CPU speed work weighed, each a switch on the module as it stands:
+  ours[grouped]+topk        route with `topk` instead of two max passes (`top_indices`)
+  ours[grouped]+fused       gate and up as one product over the concatenated weights at any row count
+  ours[grouped]+apart       gate and up as two products at any row count
+  ours[grouped]+topk+fused  topk and always fused: the block as it was before these candidates
+  ours[bmm] forced          one batched product, every expert padded to the largest load
 """
 
 import dataclasses
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.script import call_parse
 
+import cipher_nb.moe as moe_mod
 from cipher_nb.config import ModelConfig
 from cipher_nb.moe import MOE_IMPLS, MoE, SwiGLU, resolve_moe_impl
 
@@ -29,6 +42,7 @@ SHAPES = {
         "h100 preset": (4, 2048, 512, 32, 4, 128, 2),
         "larger": (4, 2048, 768, 64, 6, 192, 2),
         "tiny-cpu": (16, 256, 128, 32, 2, 128, 1),  # the default cipher-train model's MoE layers
+        "tiny-cpu-90s": (12, 64, 128, 32, 2, 128, 1),  # the same layers at tiny-cpu-90s's step of 12 x 64 bytes
         "h100 preset, 128 tokens": (1, 128, 512, 32, 4, 128, 2),
     },  # a short batch: 16 rows per expert
     "cuda": {"h100 preset": (4, 2048, 512, 32, 4, 128, 2), "larger": (8, 4096, 2048, 64, 8, 512, 2)},
@@ -90,9 +104,49 @@ def check_same_function(device, dtype):
         moe.cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl=impl))
         err = ((moe(x)[0].float() - ref).abs().max() / ref.abs().max()).item()
         assert err < tol, f"ours[{impl}] differs from the HF-style block: relative error {err:.1e}"
+        for topk, fused in VARIANTS.values():
+            with variant(topk, fused):
+                err = ((moe(x)[0].float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < tol, f"ours[{impl}] topk={topk} fused={fused}: relative error {err:.1e}"
 
 
-def contenders(shape, device, dtype, paths, compile=False):
+@contextmanager
+def variant(topk: bool = False, fused: bool | None = None):
+    "Run the block with `topk` routing, and the gate/up product fused always (True), never (False) or by the rule."
+    saved = moe_mod.top_indices, moe_mod.FUSED_GATE_UP_ROWS
+    if topk:
+        moe_mod.top_indices = lambda s, k: s.topk(k, dim=-1).indices
+    if fused is not None:
+        moe_mod.FUSED_GATE_UP_ROWS = 0 if fused else 2**62
+    try:
+        yield
+    finally:
+        moe_mod.top_indices, moe_mod.FUSED_GATE_UP_ROWS = saved
+
+
+VARIANTS = {  # name suffix: (topk, fused)
+    "+topk": (True, None),
+    "+fused": (False, True),
+    "+apart": (False, False),
+    "+topk+fused": (True, True),
+}
+
+
+def candidates(cfg, device, dtype):
+    "The CPU speed candidates: name -> (module, forward)."
+    out = {}
+    for suffix, (topk, fused) in VARIANTS.items():
+        m = MoE(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl="grouped"))).to(device, dtype)
+
+        def fwd(x, m=m, topk=topk, fused=fused):
+            with variant(topk, fused):
+                return _with_aux(m(x))
+
+        out["ours[grouped]" + suffix] = (m, fwd)
+    return out
+
+
+def contenders(shape, device, dtype, paths, compile=False, cands=False):
     "name -> (module, forward returning the tensor the loss is taken on)."
     B, T, d, E, k, h, s = shape
     cfg = ModelConfig(
@@ -100,9 +154,12 @@ def contenders(shape, device, dtype, paths, compile=False):
     )  # as the HF-style block
     auto = resolve_moe_impl("auto", device, dtype, d, h)
     out = {}
-    for impl in ["auto"] + list(MOE_IMPLS) if paths else ["auto"]:
+    impls = ["auto"] + list(MOE_IMPLS) if paths else ["auto", "bmm"] if cands else ["auto"]
+    for impl in impls:
         m = MoE(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl=impl))).to(device, dtype)
         out[f"ours[{auto}]" if impl == "auto" else f"ours[{impl}] forced"] = (m, lambda x, m=m: _with_aux(m(x)))
+    if cands:
+        out.update(candidates(cfg, device, dtype))
     hf = HFStyleMoE(d, E, k, h, s).to(device, dtype)
     for p in hf.parameters():
         nn.init.normal_(p, std=cfg.init_std)
@@ -138,17 +195,17 @@ def timeit(fn, device):
         end.record()
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds of this process: other jobs on a shared machine do not count
     fn()
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
-def bench_shape(name, shape, device, dtype, paths, reps, warmup, compile=False, profile=False):
+def bench_shape(name, shape, device, dtype, paths, reps, warmup, compile=False, profile=False, cands=False):
     torch.manual_seed(0)
     B, T, d = shape[:3]
     x = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(B, T, d, device=device, dtype=dtype)
-    cs = contenders(shape, device, dtype, paths, compile)
+    cs = contenders(shape, device, dtype, paths, compile, cands)
 
     def step(mod, fwd):
         r = fwd(x)
@@ -161,8 +218,10 @@ def bench_shape(name, shape, device, dtype, paths, reps, warmup, compile=False, 
     for n, (mod, fwd) in cs.items():
         for _ in range(warmup):
             step(mod, fwd)
-    for _ in range(reps):  # round-robin, so drifting machine load hits every contender alike
-        for n, (mod, fwd) in cs.items():
+    names = list(cs)
+    for r in range(reps):  # round-robin, so drifting machine load hits every contender alike
+        for n in names[r % len(names) :] + names[: r % len(names)]:  # each round starts with the next contender
+            mod, fwd = cs[n]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times[n].append(timeit(lambda: step(mod, fwd), device))
@@ -175,19 +234,34 @@ def bench_shape(name, shape, device, dtype, paths, reps, warmup, compile=False, 
         f"\n{name}: tokens {B}x{T}, d_model {d}, {E} experts top-{k}, expert_d_ff {h}, {s} shared "
         f"({device.type}, {str(dtype).replace('torch.', '')}, median of {reps})"
     )
-    head = f"{'contender':<22}{'ms fwd+bwd':>12}{'x ours':>9}{'TFLOP/s':>9}" + (f"{'peak GB':>9}" if mem else "")
+    head = f"{'contender':<26}{'ms fwd+bwd':>12}{'x ours':>9}{'TFLOP/s':>9}" + (f"{'peak GB':>9}" if mem else "")
     print(head)
     print("-" * len(head))
     for n, t in med.items():
-        row = f"{n:<22}{t * 1e3:>12.1f}{t / med[ours]:>9.2f}{flops(shape, n == 'dense') / t / 1e12:>9.3f}"
+        row = f"{n:<26}{t * 1e3:>12.2f}{t / med[ours]:>9.2f}{flops(shape, n == 'dense') / t / 1e12:>9.3f}"
         print(row + (f"{mem[n]:>9.2f}" if mem else ""))
     print(
         f"ours vs hf-loop: {med['hf-loop'] / med[ours]:.1f}x faster (goal >= 5x); "
         f"ours / dense: {med[ours] / med['dense']:.2f}x (goal <= 1.5x)"
     )
+    if cands:
+        time_routing(B * T, E, k, device, reps)
     if profile:
         profile_step(lambda: step(*cs[ours]), device)
     return med
+
+
+def time_routing(n, E, k, device, reps):
+    "The choice alone, on [n, E] scores: `top_indices` (two max passes for k <= 2) against `topk`."
+    s = torch.rand(n, E, device=device)
+    t = {}
+    for name, fn in (("top_indices", lambda: moe_mod.top_indices(s, k)), ("topk", lambda: s.topk(k, -1).indices)):
+        fn()
+        t[name] = statistics.median(timeit(lambda: [fn() for _ in range(20)], device) / 20 for _ in range(reps))
+    print(
+        f"choice of top-{k} over [{n}, {E}] scores: top_indices {t['top_indices'] * 1e6:.0f} us, "
+        f"topk {t['topk'] * 1e6:.0f} us ({t['topk'] / t['top_indices']:.1f}x)"
+    )
 
 
 def profile_step(fn, device):
@@ -211,6 +285,7 @@ def main(
     shape: str = "",  # only this shape (a name in SHAPES, e.g. 'h100 preset'); empty = all of the device's
     compile: bool = False,  # also time torch.compile'd versions of ours and of the dense FFN
     profile: bool = False,  # print the top operators of one step of ours
+    candidates: bool = False,  # also time the CPU speed candidates (see the module docstring)
 ):
     "Print the MoE speed table(s)."
     dev = torch.device(device)
@@ -227,4 +302,4 @@ def main(
     for name, shp in SHAPES[dev.type].items():
         if shape and name != shape:
             continue
-        bench_shape(name, shp, dev, dtype, paths, reps, warmup, compile, profile)
+        bench_shape(name, shp, dev, dtype, paths, reps, warmup, compile, profile, candidates)
