@@ -8,7 +8,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/parallel.html.md"""
 __all__ = ['BLOCK_LISTS', 'aten', 'SAVED_OPS', 'AC_MODES', 'model_blocks', 'save_matmuls', 'CheckpointedForward', 'apply_ac',
            'compile_count', 'apply_compile', 'fsdp_policy', 'apply_fsdp', 'apply_ddp', 'parallelize']
 
-# %% ../nbs/08b_parallel.ipynb #71b944e3
+# %% ../nbs/08b_parallel.ipynb #3a709504
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -17,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .config import Config
 from .core import DistEnv
 
-# %% ../nbs/08b_parallel.ipynb #76b6fa1c
+# %% ../nbs/08b_parallel.ipynb #72a6ae96
 BLOCK_LISTS = ("byte_in", "layers", "byte_out")  # the ModuleLists of `Block`s, in forward order
 
 
@@ -25,7 +27,7 @@ def model_blocks(model: nn.Module) -> list:
     "The (name, block) pairs of `model`'s block lists, in the order a forward pass first runs them."
     return [(f"{n}.{i}", b) for n in BLOCK_LISTS for i, b in enumerate(getattr(model, n, None) or [])]
 
-# %% ../nbs/08b_parallel.ipynb #36574892
+# %% ../nbs/08b_parallel.ipynb #d002a221
 aten = torch.ops.aten
 _EXPENSIVE = [
     "mm.default",
@@ -52,23 +54,22 @@ def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     "Selective checkpointing's policy: keep the outputs of matmuls and attention, recompute every other op."
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-# %% ../nbs/08b_parallel.ipynb #1a33658b
+# %% ../nbs/08b_parallel.ipynb #ae5e4fa3
 class CheckpointedForward:
     "A block's own forward run under non-reentrant `torch.utils.checkpoint`, whole (`full`) or selective."
 
     def __init__(self, forward, mode: str):
         self.forward, self.mode = forward, mode
-
-    def context_fn(self):
-        "Selective: the policy's contexts; full: none (only the inputs are kept)."
-        return create_selective_checkpoint_contexts(save_matmuls) if self.mode == "selective" else noop_context_fn()
+        # selective: the policy's contexts; full: none (only the inputs are kept)
+        selective = partial(create_selective_checkpoint_contexts, save_matmuls)
+        self.context_fn = selective if mode == "selective" else noop_context_fn
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # nothing to keep for backward
             return self.forward(*args, **kwargs)
         return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
 
-# %% ../nbs/08b_parallel.ipynb #158b496d
+# %% ../nbs/08b_parallel.ipynb #6f10b7ca
 AC_MODES = ("none", "selective", "full")
 
 
@@ -82,7 +83,7 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
             blk.forward = CheckpointedForward(own.forward if own is not None else blk.forward, mode)
     return model
 
-# %% ../nbs/08b_parallel.ipynb #0f7cc560
+# %% ../nbs/08b_parallel.ipynb #fa7f28c2
 def compile_count() -> int:
     "Graphs compiled so far in this process (dynamo's counter): a step that raises it recompiled."
     from torch._dynamo.utils import counters
@@ -100,7 +101,7 @@ def apply_compile(model: nn.Module) -> list:
         names.append(name)
     return names
 
-# %% ../nbs/08b_parallel.ipynb #00049cb3
+# %% ../nbs/08b_parallel.ipynb #2627f663
 def fsdp_policy(dtype: torch.dtype):
     "FSDP2's mixed precision for a run that autocasts to `dtype`: bf16 parameters and fp32 reductions, or none."
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -126,7 +127,7 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-# %% ../nbs/08b_parallel.ipynb #436f4c34
+# %% ../nbs/08b_parallel.ipynb #05edc3f9
 def parallelize(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, dtype=torch.float32) -> tuple:
     "AC, compile, then FSDP2 / DDP, as `cfg.training` asks: (the model to train, what was done, for the record)."
     t = cfg.training
