@@ -8,7 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/parallel.html.md"""
 __all__ = ['BLOCK_LISTS', 'aten', 'SAVED_OPS', 'AC_MODES', 'model_blocks', 'save_matmuls', 'CheckpointedForward', 'apply_ac',
            'compile_count', 'apply_compile', 'fsdp_policy', 'apply_fsdp', 'apply_ddp', 'parallelize']
 
-# %% ../nbs/08b_parallel.ipynb #46d3b4cb
+# %% ../nbs/08b_parallel.ipynb #f45a9135
 from functools import partial
 
 import torch
@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .config import Config
 from .core import DistEnv
 
-# %% ../nbs/08b_parallel.ipynb #d5362436
+# %% ../nbs/08b_parallel.ipynb #78278a22
 BLOCK_LISTS = ("byte_in", "layers", "byte_out")  # the ModuleLists of `Block`s, in forward order
 
 
@@ -27,7 +27,7 @@ def model_blocks(model: nn.Module) -> list:
     "The (name, block) pairs of `model`'s block lists, in the order a forward pass first runs them."
     return [(f"{n}.{i}", b) for n in BLOCK_LISTS for i, b in enumerate(getattr(model, n, None) or [])]
 
-# %% ../nbs/08b_parallel.ipynb #7c02eaa5
+# %% ../nbs/08b_parallel.ipynb #7c7e1d09
 aten = torch.ops.aten
 _EXPENSIVE = [
     "mm.default",
@@ -54,7 +54,7 @@ def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     "Selective checkpointing's policy: keep the outputs of matmuls and attention, recompute every other op."
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-# %% ../nbs/08b_parallel.ipynb #81024ca5
+# %% ../nbs/08b_parallel.ipynb #5766ca8e
 class CheckpointedForward:
     "A block's own forward run under non-reentrant `torch.utils.checkpoint`, whole (`full`) or selective."
 
@@ -69,7 +69,7 @@ class CheckpointedForward:
             return self.forward(*args, **kwargs)
         return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
 
-# %% ../nbs/08b_parallel.ipynb #89792ffa
+# %% ../nbs/08b_parallel.ipynb #a5254bb4
 AC_MODES = ("none", "selective", "full")
 
 
@@ -83,7 +83,7 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
             blk.forward = CheckpointedForward(own.forward if own is not None else blk.forward, mode)
     return model
 
-# %% ../nbs/08b_parallel.ipynb #ccb17882
+# %% ../nbs/08b_parallel.ipynb #b73fa7ff
 def compile_count() -> int:
     "Graphs compiled so far in this process (dynamo's counter): a step that raises it recompiled."
     from torch._dynamo.utils import counters
@@ -101,7 +101,7 @@ def apply_compile(model: nn.Module) -> list:
         names.append(name)
     return names
 
-# %% ../nbs/08b_parallel.ipynb #95d6359c
+# %% ../nbs/08b_parallel.ipynb #d49ec24a
 def fsdp_policy(dtype: torch.dtype):
     "FSDP2's mixed precision for a run that autocasts to `dtype`: bf16 parameters and fp32 reductions, or none."
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -127,7 +127,7 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-# %% ../nbs/08b_parallel.ipynb #609ee217
+# %% ../nbs/08b_parallel.ipynb #d635fb3d
 def parallelize(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, dtype=torch.float32) -> tuple:
     "AC, compile, then FSDP2 / DDP, as `cfg.training` asks: (the model to train, what was done, for the record)."
     t = cfg.training
