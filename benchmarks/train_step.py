@@ -1,13 +1,22 @@
-"""Step time and tokens/s of `tiny-cpu` (the `cipher-train` default) with and without the monitor and the other
-callbacks, side by side in one process: what watching a run costs.
+"""Training-step benchmarks of `tiny-cpu` (the `cipher-train` default), each side by side in one process.
 
-    python benchmarks/train_step.py [--steps 30] [--rounds 3] [overrides a.b=c ...]
+    python benchmarks/train_step.py [--bench monitor|compile|ac|all] [--steps 30] [--rounds 3] [overrides a.b=c ...]
 
+monitor: step time and tokens/s with and without the monitor and the other callbacks: what watching a run costs.
 One trainer is built the way `cipher-train` builds it; the contenders alternate for `--rounds` rounds of `--steps`
 optimizer steps (logging every `training.log_every` steps in both, so the log-row work is in both) and each keeps its
 median step time. "bare": no monitor, no callbacks. "full": the monitor (stats into every log row, threat checks) and
 the callbacks the run was built with (any optional loggers). Checkpoints and evaluations are timed elsewhere.
 Goal (issue 7): the full set costs under 3%.
+
+compile: warm step time eager vs `training.compile=true` (each block compiled; the compilation happens in warm-up
+steps that are not timed), for tiny-cpu and for its dense variant (`model.moe.n_routed=0`), the contenders alternating
+as above. A model whose compilation fails is reported with the error. Goal (issue 20): compiled <= 0.8x eager.
+
+ac: peak memory of one forward and backward of tiny-cpu at 2,048 tokens per sequence (where activations dominate the
+parameters), with `training.activation_checkpoint` none / selective / full, measured with torch's `MemTracker`
+(activations = the tensors autograd saves plus those recomputed, temporaries = the rest), and its time. Goal (issue
+20): full <= 0.5x the activation memory of none.
 """
 
 import argparse
@@ -15,32 +24,36 @@ import statistics
 import tempfile
 import time
 
+import torch
+
 from cipher_nb.config import load_config
+from cipher_nb.model import CipherModel
+from cipher_nb.parallel import AC_MODES, apply_ac
 from cipher_nb.train import build_trainer
+
+QUIET = ["training.max_steps=100000", "training.eval_every=100000", "training.checkpoint_every=100000"]
 
 
 def timed_steps(trainer, watchers, n) -> float:
     "Seconds per optimizer step over `n` steps of `fit` with `watchers` = (monitor, callbacks)."
     trainer.monitor, trainer.callbacks = watchers
-    trainer.cfg.training.max_steps = trainer.step + n
+    trainer.max_steps = trainer.cfg.training.max_steps = trainer.step + n  # the trainer's plan, read by fit
     t0 = time.perf_counter()
     trainer.fit(progress=False)
     return (time.perf_counter() - t0) / n
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    cfg = load_config(
-        None,
-        ["training.max_steps=100000", "training.eval_every=100000", "training.checkpoint_every=100000", *a.overrides],
-    )
+def bare_trainer(cfg, run_dir):
+    "A trainer built as `cipher-train` builds it, without checkpoints, evaluations or a run record."
+    tr = build_trainer(cfg, run_dir)
+    tr.checkpoints = tr.eval_fn = tr.record = None  # checkpoints and evaluations are timed elsewhere
+    return tr
+
+
+def bench_monitor(a):
+    cfg = load_config(None, [*QUIET, *a.overrides])
     with tempfile.TemporaryDirectory() as d:
-        tr = build_trainer(cfg, d)
-        tr.checkpoints = tr.eval_fn = tr.record = None  # checkpoints and evaluations are timed elsewhere
+        tr = bare_trainer(cfg, d)
         with_all, with_none = (tr.monitor, list(tr.callbacks)), (None, [])
         timed_steps(tr, with_all, 5)  # warm-up: allocator, first log row
         times = {"bare": [], "full": []}
@@ -58,6 +71,91 @@ def main():
         print(f"{name:<10}{1000 * s:>10.1f}{tokens / s:>10.0f}{s / bare:>9.3f}   {names}")
     over = statistics.median(times["full"]) / bare - 1
     print(f"overhead of the monitor and callbacks: {100 * over:+.1f}% (goal < 3%)")
+
+
+def compile_times(a, model_overrides) -> dict:
+    "Median warm ms/step of eager and compiled trainers on the same config (or the compile error), alternating."
+    trainers, times = {}, {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, extra in (("eager", []), ("compiled", ["training.compile=true"])):
+            cfg = load_config(None, [*QUIET, *model_overrides, *extra, *a.overrides])
+            tr = bare_trainer(cfg, f"{d}/{name}")
+            t0 = time.perf_counter()
+            try:
+                timed_steps(tr, (None, []), 3)  # warm-up (compilation for the compiled one)
+            except Exception as e:  # a block that does not compile: report why
+                times[name] = f"fails: {type(e).__name__}: {str(e).strip().splitlines()[0][:150]}"
+                continue
+            print(f"  {name}: 3 warm-up steps (compilation included) {time.perf_counter() - t0:.1f} s", flush=True)
+            trainers[name], times[name] = tr, []
+        for _ in range(a.rounds):
+            for name, tr in trainers.items():
+                times[name].append(timed_steps(tr, (None, []), a.steps))
+    return {k: v if isinstance(v, str) else 1000 * statistics.median(v) for k, v in times.items()}
+
+
+def bench_compile(a):
+    print(f"warm step time, eager vs compiled blocks, median of {a.rounds} rounds x {a.steps} steps")
+    print(f"{'model':<22}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}")
+    for label, over in (("tiny-cpu (MoE)", []), ("tiny-cpu dense", ["model.moe.n_routed=0"])):
+        t = compile_times(a, over)
+        if isinstance(t["compiled"], str):
+            print(f"{label:<22}{t['eager']:>10.1f}   compiled {t['compiled']}")
+        else:
+            print(f"{label:<22}{t['eager']:>10.1f}{t['compiled']:>13.1f}{t['compiled'] / t['eager']:>8.2f}")
+
+
+def ac_memory(cfg, mode, batch: int) -> dict:
+    "Peak MiB by kind and seconds of one forward and backward of `cfg`'s model checkpointed with `mode`."
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    m = apply_ac(CipherModel(cfg.model), mode)
+    x = torch.randint(0, cfg.model.vocab, (batch, cfg.training.seq_len))
+    secs = []
+    for _ in range(3):  # the first is a warm-up (allocator, kernels); the time is the median without the tracker
+        t0 = time.perf_counter()
+        out = m(x, labels=x)
+        (out.loss + sum(out.aux.values())).backward()
+        secs.append(time.perf_counter() - t0)
+        m.zero_grad(set_to_none=True)
+    mt = MemTracker()
+    mt.track_external(m)
+    with mt:
+        out = m(x, labels=x)
+        (out.loss + sum(out.aux.values())).backward()
+    secs = statistics.median(secs[1:])
+    peak = {
+        str(k).removeprefix("_MemRefType."): v / 2**20
+        for k, v in mt.get_tracker_snapshot("peak")[torch.device("cpu")].items()
+    }
+    return dict(peak, seconds=secs)
+
+
+def bench_ac(a):
+    cfg = load_config(None, [*QUIET, "training.seq_len=2048", *a.overrides])
+    batch = 2
+    rows = {mode: ac_memory(cfg, mode, batch) for mode in AC_MODES}
+    print(f"one forward + backward of tiny-cpu, {batch} x {cfg.training.seq_len} tokens, peak MiB (MemTracker)")
+    print(f"{'checkpoint':<11}{'act MiB':>9}{'x none':>8}{'temp MiB':>10}{'total MiB':>11}{'x none':>8}{'s':>7}")
+    base = rows["none"]
+    for mode, r in rows.items():
+        print(
+            f"{mode:<11}{r['ACT']:>9.1f}{r['ACT'] / base['ACT']:>8.2f}{r['TEMP']:>10.1f}{r['Total']:>11.1f}"
+            f"{r['Total'] / base['Total']:>8.2f}{r['seconds']:>7.2f}"
+        )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", choices=["monitor", "compile", "ac", "all"], default="monitor")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    for name, fn in (("monitor", bench_monitor), ("compile", bench_compile), ("ac", bench_ac)):
+        if a.bench in (name, "all"):
+            fn(a)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/train.html.md"""
 
 # %% auto #0
 __all__ = ['NO_HELDOUT', 'BUDGET_MAX_STEPS', 'EXIT_FAILED', 'EXIT_USAGE', 'EXIT_OOM', 'codec_description', 'RunCheckpoints',
-           'TensorBoardCallback', 'WandbCallback', 'logger_callbacks', 'stage_hooks', 'init_distributed', 'wrap_model',
+           'TensorBoardCallback', 'WandbCallback', 'logger_callbacks', 'stage_hooks', 'init_distributed',
            'resume_source', 'check_start', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
            'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'claim_run_dir', 'one_line_warning', 'exit_with',
            'smaller_batch', 'oom_advice', 'cipher_train']
@@ -23,7 +23,6 @@ from typing import Annotated
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from fastcore.basics import patch
 from fastcore.script import call_parse
 
@@ -170,6 +169,9 @@ def stage_hooks(stage: str) -> StageHooks:
     return SFTHooks() if stage == "sft" else StageHooks()
 
 # %% ../nbs/11_train.ipynb #824447ab
+from .parallel import parallelize
+
+
 def init_distributed(env: DistEnv, device: torch.device):
     "Join the process group `torchrun` set up (no-op for a single process)."
     if not env.distributed or dist.is_initialized():
@@ -177,22 +179,6 @@ def init_distributed(env: DistEnv, device: torch.device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(dist_backend(device))
-
-
-def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device) -> nn.Module:
-    "DDP or FSDP2 (per block, then the root) when distributed; the model itself otherwise."
-    if not env.distributed:
-        return model
-    if cfg.training.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for name in ("byte_in", "layers", "byte_out"):
-            for blk in getattr(model, name, []):
-                fully_shard(blk)
-        return fully_shard(model)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 # %% ../nbs/11_train.ipynb #7a51cbd9
 def resume_source(resume: str, run_dir: Path):
@@ -246,7 +232,7 @@ def build_trainer(
         if choice.mode in ("fp8", "mxfp8", "nvfp4")
         else {}
     )
-    wrapped = wrap_model(model, cfg, env, device)
+    wrapped, parallel_info = parallelize(model, cfg, env, device, choice.dtype)
     optimizer = build_optimizer(wrapped, cfg)
     loader, heldout = hooks.data(cfg, env.rank, env.world_size)
     if not heldout and env.is_main:
@@ -264,7 +250,8 @@ def build_trainer(
         source=source or (cfg.stage.init or None),
         run_name=run_dir.name,
     )
-    record.precision, record.kernels = choice.to_record(), dict(kernels)
+    record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
+    record.kernels = dict(parallel_info)  # the trainer replaces it with what ran, after the first step
     lengths = torch.as_tensor(codec.byte_lengths)
     trainer = Trainer(
         cfg,

@@ -31,6 +31,7 @@ from .core import DistEnv, autocast, autocast_dtype, dist_env
 from .metrics import mem_gb, mfu, sum_over_ranks
 from .moe import MoE, update_moe_biases
 from .optim import lr_at, set_lr
+from .parallel import kernels_in_use
 
 # %% ../nbs/10_trainer.ipynb #75555f95
 class StopFlag:
@@ -462,6 +463,13 @@ def stop_agreed(self: Trainer) -> bool:
     flag = torch.tensor(float(self.stop.raised), device=self.device)
     return bool(sum_over_ranks(flag, self.env, dist.ReduceOp.MAX if dist.is_available() else None).item())
 
+# %% ../nbs/10_trainer.ipynb #16ffd310
+@patch
+def note_kernels(self: Trainer):
+    "Put what the model ran on its first step into the run record's `kernels`."
+    if self.record is not None:
+        self.record.kernels.update(kernels_in_use(self.model))
+
 # %% ../nbs/10_trainer.ipynb #9044f7a7
 @patch
 def due(self: Trainer, every: int) -> bool:
@@ -501,6 +509,8 @@ def fit(self: Trainer, progress: bool = True, reraise: bool = True) -> Trainer:
             started, nth = self.clock(), nth + 1
             res = self.train_step()
             self.record_step_time(self.clock() - started, nth)
+            if nth == 1:
+                self.note_kernels()
             if self.replan() and bar.total != self.max_steps:  # a time budget: the plan follows the step cost
                 bar.total = self.max_steps
             if res is None:  # skipped: not finite

@@ -65,6 +65,9 @@ def test_default_run_writes_the_run_directory(tmp_path):
     assert "run directory" in r.stderr and str(run) in r.stderr
     rec = json.loads((run / "record.json").read_text())
     assert rec["export"] and rec["evals"] and rec["precision"]["mode"] == "fp32"
+    # what ran, read from the model after its first step
+    kernels = {"compiled": False, "activation_checkpoint": "none", "attention": "sdpa", "moe": "grouped"}
+    assert rec["kernels"] == kernels, rec["kernels"]
 
 
 def test_sigterm_saves_and_resume_auto_finishes(tmp_path):
