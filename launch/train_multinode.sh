@@ -20,6 +20,10 @@ NPROC="${NPROC:-8}"; MASTER_PORT="${MASTER_PORT:-29500}"; MAX_RESTARTS="${MAX_RE
 RUN_NAME="${RUN_NAME:-$JOB_ID}"; PERSIST="${PERSIST:-$SHARED/persist}"; OUT="$SHARED/runs/$RUN_NAME"
 SETTINGS=("$@" "training.persistent_dir=$PERSIST" "training.run_name=$RUN_NAME")
 read -r -a EXTRA <<< "${TRAIN_ARGS:-}"
+# Each restart needs a fresh store for the workers' process group. torchrun's default shares the rendezvous store
+# and separates attempts by a restart count that each node keeps for itself, so after a lost rank the nodes can
+# disagree on it and the new group meets stale addresses (pytorch/pytorch#135712); a store per round avoids that.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 run "$PY" "$HERE/preflight.py" "$CONFIG" "${SETTINGS[@]}" --gpus "$NPROC" --out "$OUT" ${PREFLIGHT_ARGS:-}
 # the checkpointer mirrors RUN_DIR/checkpoints to PERSIST/<name of RUN_DIR>/checkpoints; `auto` unless only the
