@@ -65,7 +65,7 @@ def one_launch(tmp_path_factory):
     return weights(out)
 
 
-def two_nodes(shared: Path, job: str, fault_on_second: str = "", max_restarts: int = 0, timeout: int = 180):
+def two_nodes(shared: Path, job: str, *extra, fault_on_second: str = "", max_restarts: int = 0, timeout: int = 180):
     "launch/train_multinode.sh twice, as two one-process nodes rendezvousing on 127.0.0.1; their results."
     env = {
         **ENV,
@@ -78,7 +78,7 @@ def two_nodes(shared: Path, job: str, fault_on_second: str = "", max_restarts: i
         "MAX_RESTARTS": str(max_restarts),
         "PREFLIGHT_ARGS": "--skip-gpu",
     }
-    cmd = ["bash", str(ROOT / "launch/train_multinode.sh"), *SETTINGS]
+    cmd = ["bash", str(ROOT / "launch/train_multinode.sh"), *SETTINGS, *extra]
     nodes = [
         subprocess.Popen(
             cmd,
@@ -101,13 +101,14 @@ def two_nodes(shared: Path, job: str, fault_on_second: str = "", max_restarts: i
 
 
 def test_two_nodes_on_one_machine_end_like_one_launch(tmp_path, one_launch):
-    "Two torchrun launches (--nnodes 2, c10d rendezvous on 127.0.0.1, one process each): the weights of one launch."
-    res = two_nodes(tmp_path, "two-nodes")
+    """Two torchrun launches (--nnodes 2, c10d rendezvous on 127.0.0.1, one process each), saving in the background:
+    the weights of one launch that saved blocking."""
+    res = two_nodes(tmp_path, "two-nodes", "training.background_save=true")
     for rc, out, err in res:
         assert rc == 0, err[-4000:]
         assert "preflight PASS" in out, out
     run = tmp_path / "runs/two-nodes"
-    assert (run / f"checkpoints/step_{STEPS:07d}/COMPLETE").is_file()
+    assert all((run / f"checkpoints/step_{s:07d}/COMPLETE").is_file() for s in (EVERY, STEPS))
     assert sorted(p.name for p in (run / f"checkpoints/step_{STEPS:07d}/sharded").glob("*.distcp")) == [
         "__0_0.distcp",
         "__1_0.distcp",
