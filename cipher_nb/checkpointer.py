@@ -62,7 +62,7 @@ class Checkpointer:
         self.root, self.keep_last, self.background = Path(root), keep_last, background
         self.mirror = Path(mirror) if mirror else None
         self._thread, self._error, self._staging = None, None, {}
-        self._group = None  # the process group of background sharded saves, made at the first one
+        self._group, self._writers = None, {}  # background sharded saves: their process group and DCP writers
         self.blocked_s = 0.0  # how long the last save held up its caller
         self.best = None  # the best value so far, read back from best/ so a resumed run keeps comparing against it
         if is_complete(self.root / "best"):
@@ -174,8 +174,15 @@ def _save_sharded_async(self: Checkpointer, path: Path, state: dict, meta: dict,
     dist.barrier(group=self._group)  # the directory exists before any rank writes into it
     keys = [k for k in state if has_dtensor(state[k])]
     skeleton, flat = split_tensors({k: state[k] for k in keys})
-    writer = dcp.FileSystemWriter(str(tmp / SHARDED), sync_files=True)
-    future = dcp.async_save(flat, storage_writer=writer, process_group=self._group)  # returns once staged
+    layout = tuple(sorted(flat))
+    if (
+        layout not in self._writers
+    ):  # one writer per layout: on a GPU it keeps its pinned host buffers for the next save
+        gpu = any(t.device.type == "cuda" for t in flat.values())
+        self._writers[layout] = dcp.FileSystemWriter(str(tmp / SHARDED), sync_files=True, cache_staged_state_dict=gpu)
+    future = dcp.async_save(  # returns once this rank's shards are copied to host memory
+        flat, checkpoint_id=str(tmp / SHARDED), storage_writer=self._writers[layout], process_group=self._group
+    )
     rest = host_copy({k: v for k, v in state.items() if k not in keys}, self._staging) if rank == 0 else None
     args = (future, path, tmp, rest, skeleton, meta, prune)
     self._thread = threading.Thread(target=self._run, args=(self._finish_sharded, *args), name=f"save {path.name}")
