@@ -175,9 +175,8 @@ def _save_sharded_async(self: Checkpointer, path: Path, state: dict, meta: dict,
     keys = [k for k in state if has_dtensor(state[k])]
     skeleton, flat = split_tensors({k: state[k] for k in keys})
     layout = tuple(sorted(flat))
-    if (
-        layout not in self._writers
-    ):  # one writer per layout: on a GPU it keeps its pinned host buffers for the next save
+    # one writer per layout: on a GPU it keeps its pinned host buffers for the next save
+    if layout not in self._writers:
         gpu = any(t.device.type == "cuda" for t in flat.values())
         self._writers[layout] = dcp.FileSystemWriter(str(tmp / SHARDED), sync_files=True, cache_staged_state_dict=gpu)
     future = dcp.async_save(  # returns once this rank's shards are copied to host memory
