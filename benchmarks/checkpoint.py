@@ -1,6 +1,8 @@
-"""Checkpoint save and load for the H100 preset's model with its AdamW state, next to the disk's own write speed.
+"""Checkpoint save and load for the H100 preset's model with its AdamW state, next to the disk's own write speed;
+with --fsdp, the step time of an FSDP2 run while it saves sharded checkpoints, blocking or in the background.
 
     python benchmarks/checkpoint.py [--config examples/configs/h100.yaml] [--repeats 3] [--dir DIR] [--device auto]
+    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint.py --fsdp [--width 1024] [--depth 8] [--repeats 3]
 
 Rows, all in one process on the same state: a blocking save (serialise, fsync, rename, marker); a background save
 (what the training loop waits for: the copy to host memory, then the time until the thread has written it); a load
@@ -8,6 +10,12 @@ Rows, all in one process on the same state: a blocking save (serialise, fsync, r
 last column divides each row's throughput by the disk copy's, so 1.0 means the save runs at the disk's limit.
 Each number is the median of `--repeats` runs. The model is `cipher_nb.model.CipherModel` when that module exists,
 otherwise a stand-in with exactly the preset's parameter count (same bytes; checkpoint I/O does not care about shapes).
+
+--fsdp (under torchrun; gloo on CPU, NCCL on GPUs): an MLP of `--depth` square layers of `--width`, each layer its own
+FSDP2 unit, trained with AdamW on random batches. Rows: a step without a save; a step followed by a blocking sharded
+save (the loop waits for the disk); a step followed by a background save (the loop waits for the copy to host memory
+only); the steps that run while that background save is being written. The last column divides each by the step
+without a save: the background rows should stay near 1.
 """
 
 import argparse
@@ -73,7 +81,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--fsdp", action="store_true", help="step times around sharded saves (run under torchrun)")
+    ap.add_argument("--width", type=int, default=1024, help="--fsdp: the MLP's width")
+    ap.add_argument("--depth", type=int, default=8, help="--fsdp: the MLP's number of layers")
+    ap.add_argument("--batch", type=int, default=256, help="--fsdp: rows per step and rank")
     a = ap.parse_args()
+    if a.fsdp:
+        return fsdp_main(a)
 
     cfg = load_config(a.config)
     device = resolve_device(a.device)
@@ -166,6 +180,88 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
     if bad:
         sys.exit(1)
+
+
+def fsdp_main(a):
+    "Step times of an FSDP2 run: no save, a blocking sharded save, a background one and the steps it overlaps."
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    device = resolve_device(a.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(a.width, a.width), nn.GELU()) for _ in range(a.depth)]).to(device)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        x = torch.randn(a.batch, a.width, device=device)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss.item()  # the step is done on the device too
+        return time.perf_counter() - t0
+
+    root = Path(a.dir or tempfile.mkdtemp(prefix="cipher-ckpt-fsdp-"))
+    obj = [str(root)]
+    dist.broadcast_object_list(obj, src=0)  # every rank writes into rank 0's directory
+    work = Path(obj[0])
+    cfg = load_config(None, ["training.parallel=fsdp"])
+
+    def save(ck, s) -> float:
+        t0 = time.perf_counter()
+        ck.save(s, training_state(model, opt, step=s), checkpoint_meta(cfg, step=s))
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # warm up: allocator, optimizer state, threads
+        step()
+    blocking = Checkpointer(work / "blocking", keep_last=1)
+    background = Checkpointer(work / "background", keep_last=1, background=True)
+    save(background, 0)  # the first background save also makes its process group
+    background.wait()
+    plain, with_block, with_bg, overlapped, write_s = [], [], [], [], []
+    for r in range(a.repeats):
+        plain += [step() for _ in range(3)]
+        with_block.append(step() + save(blocking, r + 1))
+        t_step = step()
+        t0 = time.perf_counter()
+        with_bg.append(t_step + save(background, r + 1))
+        while background._thread is not None and background._thread.is_alive():
+            overlapped.append(step())
+        background.wait()
+        write_s.append(time.perf_counter() - t0)
+    med = statistics.median
+    base = med(plain)
+    rows = [
+        ("step, no save", base, len(plain)),
+        ("step + blocking sharded save", med(with_block), len(with_block)),
+        ("step + background save (the loop's wait)", med(with_bg), len(with_bg)),
+        ("steps while the background save writes", med(overlapped) if overlapped else float("nan"), len(overlapped)),
+        ("background save, from its call to complete", med(write_s), len(write_s)),
+    ]
+    if rank == 0:
+        ck = work / "background" / checkpoint_name(a.repeats)
+        print(
+            f"FSDP2 on {world} ranks ({device.type}), MLP {a.depth} x {a.width}: {n_params:,} parameters, AdamW; "
+            f"checkpoint {dir_bytes(ck) / 2**20:.1f} MiB; medians over {a.repeats} saves\n"
+        )
+        print(f"| {'what':<42} | {'seconds':>8} | {'n':>3} | {'vs step, no save':>16} |")
+        print(f"|{'-' * 44}|{'-' * 9}:|{'-' * 4}:|{'-' * 17}:|")
+        for name, t, n in rows:
+            print(f"| {name:<42} | {t:8.3f} | {n:3d} | {t / base:16.2f} |")
+    dist.barrier()
+    if rank == 0 and not a.dir:
+        shutil.rmtree(work, ignore_errors=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,21 +6,27 @@ Docs: https://cipher-nb.github.io/cipher_nb/checkpointer.html.md"""
 
 # %% auto #0
 __all__ = ['Checkpointer', 'is_sharded', 'gather_ranks', 'training_state', 'checkpoint_meta', 'restore_training_state',
-           'load_weights']
+           'load_weights', 'checkpoint_group']
 
 # %% ../nbs/09a_checkpointer.ipynb #4be0bee2
+import io
+import json
+import shutil
 import threading
 import time
 import warnings
 from pathlib import Path
 
 import torch
+from fastcore.basics import patch
 from torch import nn
 
 from cipher_nb.checkpoint import (
     EXPORT_WEIGHTS,
     FORMAT,
+    META,
     SHARDED,
+    STATE,
     CheckpointError,
     CheckpointWarning,
     ResumeError,
@@ -29,18 +35,24 @@ from cipher_nb.checkpoint import (
     copy_checkpoint,
     dist_info,
     first_sentence,
+    fsync_dir,
     has_dtensor,
     host_copy,
+    install_dir,
     is_complete,
     load_checkpoint,
     load_exported,
     prune_checkpoints,
     read_meta,
     save_checkpoint,
+    split_tensors,
     utc_now,
+    write_durable,
+    write_marker,
 )
 from .config import Config, config_hash
 from .core import rng_state, set_rng_state
+from .faults import save_fault_point
 
 # %% ../nbs/09a_checkpointer.ipynb #d39f2fb6
 class Checkpointer:
@@ -50,6 +62,7 @@ class Checkpointer:
         self.root, self.keep_last, self.background = Path(root), keep_last, background
         self.mirror = Path(mirror) if mirror else None
         self._thread, self._error, self._staging = None, None, {}
+        self._group, self._writers = None, {}  # background sharded saves: their process group and DCP writers
         self.blocked_s = 0.0  # how long the last save held up its caller
         self.best = None  # the best value so far, read back from best/ so a resumed run keeps comparing against it
         if is_complete(self.root / "best"):
@@ -67,6 +80,10 @@ class Checkpointer:
 
     def _write(self, path, state, meta, prune):
         save_checkpoint(path, state, meta)
+        self._after_write(path, prune)
+
+    def _after_write(self, path, prune):
+        "Rank 0, once `path` is complete: prune, then copy it to the mirror."
         if dist_info()[0] != 0:
             return
         if prune:
@@ -76,21 +93,26 @@ class Checkpointer:
             if prune:
                 prune_checkpoints(self.mirror, self.keep_last)
 
-    def _run(self, *args):
+    def _run(self, fn, *args):
         try:
-            self._write(*args)
+            fn(*args)
         except BaseException as e:
             self._error = e
 
     def _submit(self, path, state, meta, prune=True) -> Path:
         self.wait()
         t0 = time.perf_counter()
-        if dist_info()[0] != 0 and not has_dtensor(state):
+        sharded = has_dtensor(state)
+        if dist_info()[0] != 0 and not sharded:
             return path  # only rank 0 writes a replicated state
-        if self.background and not has_dtensor(state):
+        if self.background and sharded:
+            self._save_sharded_async(path, state, meta, prune)
+        elif self.background:
             check_plain(state)  # fail here, in the caller, not in the thread
             snap = host_copy(state, self._staging)  # the previous save is done (wait above), so its buffers are free
-            self._thread = threading.Thread(target=self._run, args=(path, snap, meta, prune), name=f"save {path.name}")
+            self._thread = threading.Thread(
+                target=self._run, args=(self._write, path, snap, meta, prune), name=f"save {path.name}"
+            )
             self._thread.start()
         else:
             self._write(path, state, meta, prune)
@@ -270,3 +292,68 @@ def load_weights(path, model: nn.Module, strict: bool = True) -> dict:
         sd = load_checkpoint(path, keys=("model",), mmap=True)["model"]  # mmap: the optimizer's bytes are never read
     _set_model(model, sd, path, strict, dcp_api=(path / SHARDED).is_dir())
     return meta
+
+# %% ../nbs/09a_checkpointer.ipynb #b0b6bebe
+def checkpoint_group():
+    "A new gloo process group over every rank: background checkpoint collectives, apart from training's."
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+# %% ../nbs/09a_checkpointer.ipynb #53f60e7a
+@patch
+def _save_sharded_async(self: Checkpointer, path: Path, state: dict, meta: dict, prune: bool):
+    "Stage this rank's shards in host memory, then write them (and, on rank 0, the rest) from a thread."
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    check_plain(state)  # fail here, in the caller, not in the thread
+    rank = dist_info()[0]
+    if self._group is None:  # collective: every rank reaches its first sharded save together
+        self._group = checkpoint_group()
+    tmp = path.with_name(f".tmp-{path.name}")
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier(group=self._group)  # the directory exists before any rank writes into it
+    keys = [k for k in state if has_dtensor(state[k])]
+    skeleton, flat = split_tensors({k: state[k] for k in keys})
+    layout = tuple(sorted(flat))
+    # one writer per layout: on a GPU it keeps its pinned host buffers for the next save
+    if layout not in self._writers:
+        gpu = any(t.device.type == "cuda" for t in flat.values())
+        self._writers[layout] = dcp.FileSystemWriter(str(tmp / SHARDED), sync_files=True, cache_staged_state_dict=gpu)
+    future = dcp.async_save(  # returns once this rank's shards are copied to host memory
+        flat, checkpoint_id=str(tmp / SHARDED), storage_writer=self._writers[layout], process_group=self._group
+    )
+    rest = host_copy({k: v for k, v in state.items() if k not in keys}, self._staging) if rank == 0 else None
+    args = (future, path, tmp, rest, skeleton, meta, prune)
+    self._thread = threading.Thread(target=self._run, args=(self._finish_sharded, *args), name=f"save {path.name}")
+    self._thread.start()
+
+# %% ../nbs/09a_checkpointer.ipynb #f2812a7b
+@patch
+def _finish_sharded(self: Checkpointer, future, path: Path, tmp: Path, rest, skeleton, meta: dict, prune: bool):
+    "Wait for DCP's write; rank 0 writes the replicated entries and the meta, installs and marks the directory."
+    import torch.distributed as dist
+
+    try:
+        future.result()  # on rank 0: every rank's shards are durable
+        if dist_info()[0] == 0:
+            buf = io.BytesIO()
+            torch.save({**rest, "_sharded": skeleton}, buf)
+            write_durable(tmp / STATE, buf.getvalue())
+            write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
+            fsync_dir(tmp / SHARDED)
+            fsync_dir(tmp)
+            save_fault_point("rename")
+            old = install_dir(tmp, path)
+            save_fault_point("marker")
+            write_marker(path, step=(meta or {}).get("step"))
+            if old.exists():
+                shutil.rmtree(old)
+            self._after_write(path, prune)
+    finally:
+        dist.barrier(group=self._group)  # every rank's wait() returns once the marker is there
