@@ -65,7 +65,7 @@ def one_launch(tmp_path_factory):
     return weights(out)
 
 
-def two_nodes(shared: Path, job: str, *extra, fault_on_second: str = "", max_restarts: int = 0, timeout: int = 180):
+def two_nodes(shared: Path, job: str, *extra, fault_on_second: str = "", max_restarts: int = 0, timeout: int = 300):
     "launch/train_multinode.sh twice, as two one-process nodes rendezvousing on 127.0.0.1; their results."
     env = {
         **ENV,
