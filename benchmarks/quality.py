@@ -6,6 +6,8 @@ through cipher_nb's own loop on the embedded standard-library corpus.
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
     python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (to every contender)
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
+    python benchmarks/quality.py --config examples/configs/tiny-cpu-90s.yaml --plan budget --budget 90s --seeds 3 \
+        --contenders minimal-gpt,dense,moe,dense+muon,moe+muon   # AdamW against Muon for the hidden matrices
 
 Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `--config`, plus any `a.b=c` overrides):
   minimal-gpt  the outside baseline, benchmarks/minimal_gpt.py: a from-scratch byte-level GPT trained with its own
