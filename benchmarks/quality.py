@@ -6,6 +6,8 @@ through cipher_nb's own loop on the embedded standard-library corpus.
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
     python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (to every contender)
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
+    python benchmarks/quality.py --config examples/configs/tiny-cpu-90s.yaml --plan budget --budget 90s --seeds 3 \
+        --contenders minimal-gpt,dense,moe,dense+muon,moe+muon   # AdamW against Muon for the hidden matrices
 
 Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `--config`, plus any `a.b=c` overrides):
   minimal-gpt  the outside baseline, benchmarks/minimal_gpt.py: a from-scratch byte-level GPT trained with its own
@@ -15,6 +17,7 @@ Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `-
   moe        the config itself
   moe+bp     the MoE with the byte-level boundary predictor (model.boundary.enabled=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
+  dense+muon, moe+muon  dense / moe trained with optim.name=muon (Muon for the hidden matrices, AdamW for the rest)
 
 Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up, then
 timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round), on
@@ -26,10 +29,13 @@ share its core would otherwise get fewer steps and a worse score. Every run also
 really used, as a cross-check. With `--plan budget` the cipher_nb contenders instead get `training.time_budget` and
 their trainer plans the steps from the cost it measures as it runs (on `--clock`), the way `cipher-train --time-budget`
 does; the minimal GPT keeps its calibrated steps, and each run's line says how close its training time landed.
-Held-out bits per byte come only from `cipher_nb.metrics.heldout_metrics` on the same `--eval-batches` held-out batches
-for every contender (nats over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps;
-the minimal GPT is scored by that same function through `minimal_gpt.HeldoutView` (its byte ids, a sliding window
-over rows longer than its context). The tables give each contender's per-seed differences from the minimal GPT and
+Held-out bits per byte come only from `cipher_nb.metrics.heldout_metrics` on the base config's held-out split (nats
+over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps, each contender at the length
+it trained at: its held-out rows are as long as its training rows (training.seq_len; the minimal GPT's context, 64),
+and it gets as many rows as make the bytes of `--eval-batches` base batches, so a model is never asked to use more
+context than it was trained with. The minimal GPT is scored by that same function through `minimal_gpt.HeldoutView`
+(its byte ids). Peak RSS is each run's own process's high-water mark (VmHWM; a child's ru_maxrss would inherit the
+parent's peak on Linux). The tables give each contender's per-seed differences from the minimal GPT and
 from dense (a seed fixes the data order for all of them), and a table of every seed.
 Writes `--out`.md (the tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
 """
@@ -49,7 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))  # minimal_gpt, also when this file is loaded by path (the tests)
 BASELINE = "minimal-gpt"
-CONTENDERS = (BASELINE, "dense", "moe", "moe+bp", "recurrent")
+CONTENDERS = (BASELINE, "dense", "moe", "moe+bp", "recurrent", "dense+muon", "moe+muon")
+DEFAULT_CONTENDERS = CONTENDERS[:5]  # the optimizer variants run when named
 REFS = (BASELINE, "dense")  # the per-seed differences the table reports
 
 
@@ -74,6 +81,8 @@ def contender_overrides(name: str, cfg) -> list:
         return []
     if name == "moe+bp":
         return ["model.boundary.enabled=true"]
+    if name in ("dense+muon", "moe+muon"):
+        return [*contender_overrides(name.split("+")[0], cfg), "optim.name=muon"]
     if name == "recurrent":
         if m.n_layers < 3:
             raise SystemExit(f"the recurrent contender needs model.n_layers >= 3 (got {m.n_layers})")
@@ -123,6 +132,33 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     return tr, over
 
 
+def heldout_overrides(base, seq_len: int) -> list:
+    "Overrides of the base config that give held-out rows of `seq_len` covering the bytes of its eval batches."
+    t = base.training
+    n = -(-t.eval_batches * t.seq_len // seq_len)  # ceil: the same held-out bytes in rows of the trained length
+    return [f"training.seq_len={seq_len}", f"training.eval_batches={n}"]
+
+
+def trained_length(name: str, cfg) -> int:
+    "The row length contender `name` trained at: the minimal GPT's context, else its config's training.seq_len."
+    if name == BASELINE:
+        from minimal_gpt import CONTEXT
+
+        return CONTEXT
+    return cfg.training.seq_len
+
+
+def peak_rss_gb() -> float:
+    "This process's own peak resident set in GB: VmHWM on Linux (ru_maxrss survives exec, so a child would inherit it)."
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) * 1024 / 1e9
+    except (OSError, StopIteration):
+        from cipher_nb.metrics import mem_gb
+
+        return mem_gb("cpu")
+
+
 def calibrate(a, names: list) -> dict:
     "Seconds per training step of each contender: median of interleaved timed rounds in this process."
     import torch
@@ -154,15 +190,19 @@ def run_one(a) -> dict:
     from cipher_nb.codecs import build_codec
     from cipher_nb.config import load_config
     from cipher_nb.curriculum import build_loader
-    from cipher_nb.metrics import heldout_metrics, mem_gb
+    from cipher_nb.metrics import heldout_metrics
     from cipher_nb.sizing import param_counts
 
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
         tr, over = contender_trainer(a, a.one, a.seed, a.steps, Path(tmp) / "run")
-        base = load_config(a.config, a.overrides)
-        # the held-out set of the BASE config (same data, batch and length for every contender)
-        heldout = list(islice(iter(build_loader(base, "heldout", 0, 1)), a.eval_batches or base.training.eval_batches))
+        base = load_config(
+            a.config, [*a.overrides, *([f"training.eval_batches={a.eval_batches}"] * bool(a.eval_batches))]
+        )
+        # the BASE config's held-out split (same data for every contender), in rows of this contender's trained length
+        eval_len = trained_length(a.one, tr.cfg)
+        hcfg = load_config(a.config, [*a.overrides, *heldout_overrides(base, eval_len)])
+        heldout = list(islice(iter(build_loader(hcfg, "heldout", 0, 1)), hcfg.training.eval_batches))
         lengths = torch.as_tensor(build_codec(tr.cfg.data).byte_lengths)
         scored = HeldoutView(tr.model) if a.one == BASELINE else tr.model
 
@@ -213,7 +253,8 @@ def run_one(a) -> dict:
             curve=curve,
             params=pc["total"],
             active=pc["active"],
-            peak_gb=mem_gb(tr.device),
+            peak_gb=peak_rss_gb(),
+            eval_len=eval_len,
             overrides=over,
         )
 
@@ -262,8 +303,9 @@ def table(runs: list, names: list) -> str:
         + ("; cipher_nb steps planned by training.time_budget" if any(r.get("plan") == "budget" for r in runs) else ""),
         "",
         "| contender | held-out bpb | vs dense, same seed | ahead of dense | vs minimal-gpt, same seed "
-        "| ahead of minimal-gpt | steps | tok/s | params (total) | params (active) | peak RSS GB | clock-s used |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ahead of minimal-gpt | held-out rows (= trained length) | steps | tok/s | params (total) | params (active) "
+        "| peak RSS GB (own process) | clock-s used |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in names:
         rs = by[n]
@@ -274,7 +316,7 @@ def table(runs: list, names: list) -> str:
         steps = sorted({r["steps"] for r in rs})  # one count under a calibrated plan; per seed under a budget
         steps = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
         lines.append(
-            f"| {n} | {bpb} | {' | '.join(vs_dense)} | {' | '.join(vs_base)} | {steps} | "
+            f"| {n} | {bpb} | {' | '.join(vs_dense)} | {' | '.join(vs_base)} | {rs[0].get('eval_len', '')} | {steps} | "
             f"{statistics.mean(r['tok_per_s'] for r in rs):,.0f} | "
             f"{rs[0]['params'] / 1e6:.2f}M | {rs[0]['active'] / 1e6:.2f}M | {max(r['peak_gb'] for r in rs):.2f} | "
             f"{statistics.mean(r['used'] for r in rs):.0f} |"
@@ -284,6 +326,8 @@ def table(runs: list, names: list) -> str:
         "(held-out bpb: mean ± sample standard deviation over seeds; vs dense / vs minimal-gpt: the mean over seeds "
         "of the contender minus the reference on the same seed, ± the standard deviation of that difference: a seed "
         "fixes the data order, which moves every contender alike, so this is the spread to weigh a gap against; "
+        "held-out rows: every contender is scored on the same held-out bytes cut into rows of the length it trained "
+        "at; peak RSS: the high-water mark of the run's own process; "
         "tok/s counts bytes and specials per budget second; clock-s used is what training took in its own process, "
         "the cross-check of the step cost)"
     )
@@ -341,7 +385,9 @@ def main():
     p.add_argument("overrides", nargs="*", help="section.key=value overrides applied to every contender")
     p.add_argument("--config", default=None, help="a YAML preset (default: the config defaults = tiny-cpu)")
     p.add_argument(
-        "--contenders", default=",".join(CONTENDERS), help="comma-separated subset of " + ", ".join(CONTENDERS)
+        "--contenders",
+        default=",".join(DEFAULT_CONTENDERS),
+        help="comma-separated subset of " + ", ".join(CONTENDERS),
     )
     p.add_argument(
         "--budget",

@@ -111,3 +111,37 @@ def test_minimal_gpt_trains_and_is_scored_by_heldout_metrics():
                 n += 4
         assert n == 4 * (T - 1)  # the EOS target does not count
         assert abs(got - nats / n / math.log(2)) < 1e-4, (T, got, nats / n / math.log(2))
+
+
+def test_muon_contenders_add_the_optimizer_to_their_base():
+    from cipher_nb.config import Config
+
+    cfg = Config()
+    assert quality.contender_overrides("moe+muon", cfg) == ["optim.name=muon"]
+    assert quality.contender_overrides("dense+muon", cfg) == ["model.moe.n_routed=0", "optim.name=muon"]
+
+
+def test_heldout_rows_at_the_trained_length_cover_the_same_bytes():
+    from cipher_nb.config import Config
+
+    cfg = Config()
+    cfg.training.seq_len, cfg.training.eval_batches = 256, 10
+    assert quality.heldout_overrides(cfg, 64) == ["training.seq_len=64", "training.eval_batches=40"]
+    assert quality.heldout_overrides(cfg, 100) == ["training.seq_len=100", "training.eval_batches=26"]  # ceil
+    assert quality.trained_length("minimal-gpt", cfg) == minimal_gpt.CONTEXT
+    assert quality.trained_length("moe", cfg) == 256
+    runs = [{**run("moe", 0, 2.0), "eval_len": 64}]
+    row = next(line for line in quality.table(runs, ["moe"]).splitlines() if line.startswith("| moe |"))
+    assert [c.strip() for c in row.split("|")[1:-1]][6] == "64"
+
+
+def test_peak_rss_is_the_child_own_not_the_parent_inherited():
+    import subprocess
+    import sys
+
+    ballast = torch.ones(100_000_000, dtype=torch.uint8)  # 100 MB resident in this (parent) process
+    code = f"import importlib.util as u; s = u.spec_from_file_location('q', {str(quality.__file__)!r}); "
+    code += "q = u.module_from_spec(s); s.loader.exec_module(q); print(q.peak_rss_gb())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert quality.peak_rss_gb() > ballast.numel() / 1e9
+    assert child < quality.peak_rss_gb() - 0.05, (child, quality.peak_rss_gb())
