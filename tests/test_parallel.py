@@ -105,6 +105,21 @@ def test_compiled_blocks_train_like_eager_without_recompiling(tmp_path):
     assert "_orig_mod" not in "".join(tr.raw_model.state_dict())
 
 
+def test_full_checkpointing_compiles():
+    "training.compile with full checkpointing (no context_fn): a compiled block's loss and gradients equal eager's."
+    torch.manual_seed(0)
+    m = CipherModel(load_config(None, [*TINY, "model.moe.n_routed=0"]).model)
+    ref = CipherModel(load_config(None, [*TINY, "model.moe.n_routed=0"]).model)
+    ref.load_state_dict(m.state_dict())
+    apply_compile(apply_ac(m, "full"))
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    got, want = m(x, labels=x).loss, ref(x, labels=x).loss
+    got.backward(), want.backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for (n, a), b in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
 def test_compiled_moe_blocks_run_without_recompiling():
     "A compiled MoE model: the same loss as eager on every step, and no recompile after the first."
     torch.manual_seed(0)
