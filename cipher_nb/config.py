@@ -212,6 +212,7 @@ class TrainConfig:
     seed: int = 0
     device: str = cosmetic("auto")
     parallel: Parallel = "ddp"  # fsdp under torchrun
+    cpu_offload: bool = cosmetic(False)  # fsdp: parameters, gradients and optimizer state live in CPU memory
     compile: bool = cosmetic(False)  # torch.compile each block (regional compilation)
     activation_checkpoint: ActCheckpoint = cosmetic("none")  # per block: recompute activations in backward
     fp8_min_dim: int = 2048  # fp8 converts a linear only when its in and out features both reach this

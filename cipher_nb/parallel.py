@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .config import Config
+from .config import Config, ConfigError
 from .core import DistEnv
 from .model import attention_kernels_used
 from .moe import moe_kernels_used
@@ -115,14 +115,17 @@ def fsdp_policy(dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def apply_fsdp(model: nn.Module, dtype: torch.dtype = torch.float32, mesh=None) -> nn.Module:
-    "`fully_shard` each block (all but the last to run reshard after forward), then the root."
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(model: nn.Module, dtype: torch.dtype = torch.float32, mesh=None, offload: bool = False) -> nn.Module:
+    "`fully_shard` each block (all but the last to run reshard after forward), then the root; optionally CPU-offloaded."
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    mp, blocks = fsdp_policy(dtype), model_blocks(model)
+    # pinned host memory needs an accelerator; without one (CPU tests) the policy must not pin
+    kw = dict(mesh=mesh, mp_policy=fsdp_policy(dtype))
+    kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    blocks = model_blocks(model)
     for i, (_, blk) in enumerate(blocks):
-        fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    return fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(blk, reshard_after_forward=i < len(blocks) - 1, **kw)
+    return fully_shard(model, **kw)
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
@@ -135,6 +138,10 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 def parallelize(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, dtype=torch.float32) -> tuple:
     "AC, compile, then FSDP2 / DDP, as `cfg.training` asks: (the model to train, what was done, for the record)."
     t = cfg.training
+    if t.cpu_offload and not (env.distributed and t.parallel == "fsdp"):
+        raise ConfigError(
+            "training.cpu_offload offloads FSDP2 shards: set training.parallel=fsdp and run under torchrun"
+        )
     apply_ac(model, t.activation_checkpoint)
     compiled = apply_compile(model) if t.compile else False
     info = {"compiled": compiled, "activation_checkpoint": t.activation_checkpoint}
@@ -142,7 +149,8 @@ def parallelize(model: nn.Module, cfg: Config, env: DistEnv, device: torch.devic
         return model, info
     if t.parallel == "fsdp":
         info["fsdp_param_dtype"] = str(fsdp_policy(dtype).param_dtype or "float32").removeprefix("torch.")
-        return apply_fsdp(model, dtype), info
+        info["cpu_offload"] = t.cpu_offload
+        return apply_fsdp(model, dtype, offload=t.cpu_offload), info
     return apply_ddp(model, device), info
 
 # %% ../nbs/08b_parallel.ipynb #b35ad7bf

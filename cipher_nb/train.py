@@ -434,6 +434,8 @@ def oom_advice(cfg: Config, device, step=None, peak_gb: float = None) -> str:
         )
     if t.parallel != "fsdp":
         fixes.append("training.parallel=fsdp under torchrun: shard parameters, gradients and optimizer state")
+    elif not t.cpu_offload:
+        fixes.append("training.cpu_offload=true: keep the shards and optimizer state in CPU memory (slower steps)")
     where = f"at step {step}" if step is not None else "before the first step"
     head = (
         f"out of memory {where} (peak {peak:.2f} GB on {device}; batch {t.batch_size} x {t.seq_len} tokens, "

@@ -176,18 +176,23 @@ WORKER = textwrap.dedent("""
     params = dict(tr.raw_model.named_parameters())
     resumed = build_trainer(cfg, out / "resumed", resume=str(out / "run/checkpoints/step_0000003"), progress=False)
     resumed.fit(progress=False)
+    cfg.training.cpu_offload = True  # the shards on the host
+    offloaded = build_trainer(cfg, out / "offloaded", progress=False)
+    offloaded.fit(progress=False)
+    offload_policy = type(offloaded.raw_model.layers[0]._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(dict(
         step=tr.step, forward_dtypes=seen, reduce_dtype=str(policy.reduce_dtype), param_dtype=str(policy.param_dtype),
         shard_dtypes=sorted({str(p.dtype) for p in params.values()}), grad_dtypes=sorted(watch.grads),
         sharded=all(type(p).__name__ == "DTensor" for p in params.values()),
-        digest=digest(tr), resumed_digest=digest(resumed), resumed_step=resumed.step)))
+        digest=digest(tr), resumed_digest=digest(resumed), resumed_step=resumed.step,
+        offload_policy=offload_policy, offloaded_digest=digest(offloaded))))
     dist.barrier()
     os._exit(0)  # no interpreter teardown: gloo's threads at shutdown sometimes abort a rank after the work passed
 """)
 
 
 def test_fsdp2_trains_in_bf16_reduces_in_fp32_and_resumes_exactly(tmp_path):
-    "torchrun, 2 CPU ranks (gloo): bf16 parameters in forward, fp32 shards and gradients, an exact resume."
+    "torchrun, 2 CPU ranks (gloo): bf16 parameters in forward, fp32 shards and gradients, an exact resume, offload."
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
@@ -210,3 +215,5 @@ def test_fsdp2_trains_in_bf16_reduces_in_fp32_and_resumes_exactly(tmp_path):
     assert (info["param_dtype"], info["reduce_dtype"]) == ("torch.bfloat16", "torch.float32")
     assert info["shard_dtypes"] == info["grad_dtypes"] == ["torch.float32"] and info["sharded"]
     assert info["resumed_digest"] == info["digest"]  # 3 steps, a checkpoint, 3 more == 6 steps straight
+    # training.cpu_offload: FSDP2's CPUOffloadPolicy, and on CPU (where nothing moves) the same weights
+    assert info["offload_policy"] == "CPUOffloadPolicy" and info["offloaded_digest"] == info["digest"]
