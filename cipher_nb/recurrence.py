@@ -8,7 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/recurrence.html.md"""
 __all__ = ['LTI_MIN_RATE', 'LTI_INIT_DECAY', 'HALT_INIT_BIAS', 'LTIInjection', 'LoopLoRA', 'build_injection', 'inject_input',
            'merged_injection', 'HaltingUnit', 'ACTHalting', 'act_weights']
 
-# %% ../nbs/05c_recurrence.ipynb #cf8b9bac
+# %% ../nbs/05c_recurrence.ipynb #5833243b
 import copy
 import math
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 
-# %% ../nbs/05c_recurrence.ipynb #e74f9cf7
+# %% ../nbs/05c_recurrence.ipynb #5e0dad5f
 LTI_MIN_RATE = 0.01  # smallest decay rate: every eigenvalue of A is at most exp(-0.01), about 0.990
 LTI_INIT_DECAY = 0.5  # each channel keeps half of its state per loop at initialisation
 
@@ -42,7 +42,7 @@ class LTIInjection(nn.Module):
         acc = torch.promote_types(state.dtype, torch.float32)
         return (self.decay().to(acc) * state.to(acc)).type_as(state) + u
 
-# %% ../nbs/05c_recurrence.ipynb #05293dd2
+# %% ../nbs/05c_recurrence.ipynb #81e007cc
 class LoopLoRA(nn.Module):
     "One low-rank update `up[k] @ down[k]` of a projection per loop; loops past the last adapter reuse it."
 
@@ -64,7 +64,7 @@ class LoopLoRA(nn.Module):
         j = self.index(k)
         return self.up[j] @ self.down[j]
 
-# %% ../nbs/05c_recurrence.ipynb #67fd946f
+# %% ../nbs/05c_recurrence.ipynb #7e16c1bd
 def build_injection(cfg: ModelConfig) -> tuple:
     "(injection, per-loop adapters or None) for `cfg.recurrence`: `linear` on [state, e] or `lti`."
     d, r = cfg.d_model, cfg.recurrence
@@ -80,7 +80,7 @@ def inject_input(inject: nn.Module, state, e, lora: LoopLoRA = None, k: int = 0)
     z = torch.cat([state, e], -1)  # [B, T, 2D]
     return inject(z) if lora is None else inject(z) + lora(z, k)
 
-# %% ../nbs/05c_recurrence.ipynb #2d5c1419
+# %% ../nbs/05c_recurrence.ipynb #798bf627
 def merged_injection(inject: nn.Module, lora: LoopLoRA, k: int) -> nn.Module:
     "A copy of `inject` with loop k's adapter folded into its weight (summed in float32 at least)."
     out = copy.deepcopy(inject)
@@ -90,7 +90,7 @@ def merged_injection(inject: nn.Module, lora: LoopLoRA, k: int) -> nn.Module:
         lin.weight.copy_((lin.weight.to(acc) + lora.delta_weight(k).to(acc)).to(lin.weight.dtype))
     return out
 
-# %% ../nbs/05c_recurrence.ipynb #6b0d070c
+# %% ../nbs/05c_recurrence.ipynb #87f544dd
 HALT_INIT_BIAS = 1.0  # Graves 2016: sigmoid(1) ~ 0.73, so an untrained token halts after two loops
 
 
@@ -103,10 +103,11 @@ class HaltingUnit(nn.Module):
         self.bias = nn.Parameter(torch.tensor(HALT_INIT_BIAS))
 
     def forward(self, state):
-        s = F.rms_norm(state.float(), (state.shape[-1],))
-        return torch.sigmoid(s @ self.weight.float() + self.bias.float())
+        acc = torch.promote_types(state.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+        s = F.rms_norm(state.to(acc), (state.shape[-1],))
+        return torch.sigmoid(s @ self.weight.to(acc) + self.bias.to(acc))
 
-# %% ../nbs/05c_recurrence.ipynb #6a549e08
+# %% ../nbs/05c_recurrence.ipynb #d2750fbd
 class ACTHalting:
     "ACT over the loops of one forward: each loop's weights, the halting-weighted output, loops and remainder."
 
@@ -144,7 +145,7 @@ class ACTHalting:
         frac = F.one_hot(self.n.long().clamp(1, loops) - 1, loops).float().flatten(0, -2).mean(0)
         return {"loop/halt_frac": frac, "loop/mean_loops": self.n.float().mean()}
 
-# %% ../nbs/05c_recurrence.ipynb #ebe9fda0
+# %% ../nbs/05c_recurrence.ipynb #708cc76b
 def act_weights(ps, threshold: float, states=None) -> tuple:
     "(weights [K, ...], the `ACTHalting`) for halting probabilities `ps` [K, ...], the last loop the cap."
     act, K = ACTHalting(threshold), len(ps)
