@@ -45,7 +45,7 @@ def make_adversarial(m: CipherModel, scale: float):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_lti_bounded_for_random_params(seed):
+def test_recurrent_lti_bounded_for_random_params(seed):
     torch.manual_seed(seed)
     m = CipherModel(recurrent(injection="lti"))
     with torch.no_grad():
@@ -58,7 +58,7 @@ def test_lti_bounded_for_random_params(seed):
     assert ((a >= 0) & (a < 1)).all() and a.max() <= np.exp(-LTI_MIN_RATE) + 1e-6
 
 
-def test_lti_bounded_where_linear_drifts():
+def test_recurrent_lti_bounded_where_linear_drifts():
     torch.manual_seed(0)
     lti = CipherModel(recurrent(injection="lti"))
     make_adversarial(lti, 5.0)
@@ -74,7 +74,7 @@ def test_lti_bounded_where_linear_drifts():
     assert not np.isfinite(drift[-1]) or drift[-1] > 1e6 * drift[31], drift
 
 
-def test_act_weights_sum_to_one_and_ponder_gradient():
+def test_recurrent_act_weights_sum_to_one_and_ponder_gradient():
     torch.manual_seed(0)
     w, _ = act_weights(torch.rand(8, 3, 7), 0.99)
     torch.testing.assert_close(w.sum(0), torch.ones(3, 7))
@@ -83,7 +83,7 @@ def test_act_weights_sum_to_one_and_ponder_gradient():
     assert torch.autograd.gradcheck(lambda p: act_weights(p, 0.99)[1].ponder_cost(), (ps,))
 
 
-def test_model_ponder_gradient_matches_finite_differences():
+def test_recurrent_model_ponder_gradient_matches_finite_differences():
     "d loss/ponder / d halting bias from the whole model, float64, against a central difference."
     torch.manual_seed(1)
     m = CipherModel(recurrent(n_loops=6, halting=True)).double().eval()
@@ -110,7 +110,7 @@ def test_model_ponder_gradient_matches_finite_differences():
 
 
 @pytest.mark.parametrize("injection", ["linear", "lti"])
-def test_loop_lora_merge_is_exact(injection):
+def test_recurrent_loop_lora_merge_is_exact(injection):
     torch.manual_seed(2)
     m = CipherModel(recurrent(n_loops=1, injection=injection, loop_lora_rank=2)).double().eval()
     with torch.no_grad():
@@ -128,7 +128,7 @@ def test_loop_lora_merge_is_exact(injection):
     assert (a - c).abs().max() > 1e-4
 
 
-def test_every_piece_under_activation_checkpointing():
+def test_recurrent_every_piece_under_activation_checkpointing():
     "Full checkpointing of the blocks leaves the loss and every gradient of an lti + ACT + LoRA model unchanged."
     cfg = recurrent(injection="lti", halting=True, loop_lora_rank=2)
     torch.manual_seed(3)
@@ -147,7 +147,7 @@ def test_every_piece_under_activation_checkpointing():
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7, msg=n)
 
 
-def test_muon_leaves_recurrence_extras_to_adamw():
+def test_recurrent_muon_leaves_recurrence_extras_to_adamw():
     cfg = config_from_dict({"optim": {"name": "muon"}})
     m = CipherModel(recurrent(injection="lti", halting=True, loop_lora_rank=2))
     names = muon_names(m, replace(cfg, model=m.cfg))
@@ -160,7 +160,7 @@ def stdlib_bytes() -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(b"\n".join(f.read_bytes() for f in files), dtype=np.uint8).astype(np.int64))
 
 
-def test_every_piece_on_trains():
+def test_recurrent_every_piece_on_trains():
     torch.manual_seed(4)
     data = stdlib_bytes()
     m = CipherModel(recurrent(n_loops=3, injection="lti", halting=True, loop_lora_rank=2)).train()
