@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/gate.html.md"""
 
 # %% auto #0
 __all__ = ['GateLine', 'gate_loss_fell', 'gate_finite', 'gate_load', 'gate_router_learning', 'gate_overlap', 'gate_grad_norm',
-           'gate_utilisation', 'gate', 'gate_passed', 'format_gate', 'read_metrics', 'cipher_gate']
+           'gate_utilisation', 'gate_halting', 'gate', 'gate_passed', 'format_gate', 'read_metrics', 'cipher_gate']
 
 # %% ../nbs/07a_gate.ipynb #dd141fc0
 import json
@@ -19,7 +19,7 @@ from typing import NamedTuple
 from fastcore.script import CliError, call_parse
 
 from .config import Config, ConfigError, MonitorConfig, load_config
-from .monitor import as_number, loss_keys, nonfinite
+from .monitor import HALT_COLLAPSE_FRAC, as_number, loss_keys, nonfinite
 
 # %% ../nbs/07a_gate.ipynb #659215e8
 class GateLine(NamedTuple):
@@ -176,10 +176,30 @@ def gate_utilisation(rows: list, m: MonitorConfig) -> GateLine:
     tail = _tail_mean(util)
     return GateLine(name, tail > m.min_gpu_util, f"busy {tail:.0f}% of the time (NVML), last quarter" + info, reads)
 
+# %% ../nbs/07a_gate.ipynb #8f3724ed
+def _halt_ends(row: dict) -> tuple | None:
+    "(share halting at loop 1, share halting at the row's last loop) from `loop/halt_frac_K`, or None."
+    k = 1
+    while f"loop/halt_frac_{k + 1}" in row:
+        k += 1
+    first, last = as_number(row.get("loop/halt_frac_1")), as_number(row.get(f"loop/halt_frac_{k}"))
+    return None if first is None or last is None or k < 2 else (first, last)
+
+
+def gate_halting(rows: list, m: MonitorConfig) -> GateLine:
+    "ACT halting did not collapse: over the last quarter, neither loop 1 nor the cap holds nearly every token."
+    name, reads = f"halting spread over the loops (no loop holds {HALT_COLLAPSE_FRAC:.0%})", "loop/halt_frac_K"
+    ends = [e for r in rows if (e := _halt_ends(r)) is not None]
+    if not ends:
+        return GateLine(name, None, "no loop/halt_frac_K logged (model.recurrence.halting off)", reads)
+    first, last = _tail_mean([e[0] for e in ends]), _tail_mean([e[1] for e in ends])
+    fig = f"{first:.0%} halt at loop 1, {last:.0%} at the cap, last quarter"
+    return GateLine(name, first < HALT_COLLAPSE_FRAC and last < HALT_COLLAPSE_FRAC, fig, reads)
+
 # %% ../nbs/07a_gate.ipynb #ab8dff56
 def gate(rows: list, mcfg: MonitorConfig, populations=None) -> list:
     "The verification gate over a run's metric rows: one `GateLine` per criterion."
-    return [
+    lines = [
         gate_loss_fell(rows, mcfg),
         gate_finite(rows, mcfg),
         gate_utilisation(rows, mcfg),
@@ -188,6 +208,8 @@ def gate(rows: list, mcfg: MonitorConfig, populations=None) -> list:
         gate_overlap(rows, mcfg, populations),
         gate_grad_norm(rows, mcfg),
     ]
+    halting = gate_halting(rows, mcfg)
+    return lines if halting.passed is None else lines + [halting]  # only runs that halt have the line
 
 
 def gate_passed(lines: list) -> bool:

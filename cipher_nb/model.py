@@ -24,6 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from . import boundary as bd
 from .config import ModelConfig, model_config
 from .moe import MoE, SwiGLU
+from .recurrence import ACTHalting, HaltingUnit, build_injection, inject_input
 from .sizing import flops_per_token, param_counts
 
 # %% ../nbs/06_model.ipynb #03b0c918
@@ -334,7 +335,11 @@ class CipherModel(nn.Module):
             [Block(cfg, moe=cfg.moe.n_routed > 0 and i >= cfg.moe.n_dense_layers) for i in range(cfg.n_layers)]
         )
         if cfg.recurrence.enabled:
-            self.inject = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
+            self.inject, lora = build_injection(cfg)  # linear on [state, e], or the stable lti
+            if lora is not None:
+                self.loop_lora = lora  # per-loop adapters on the injection
+            if cfg.recurrence.halting:
+                self.halt = HaltingUnit(cfg.d_model)
         if cfg.boundary.enabled:
             self.byte_in = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.boundary.n_byte_layers)])
             self.boundary = bd.BoundaryPredictor(cfg)
@@ -405,19 +410,20 @@ def _loop_stats(states: list, entropies: list) -> dict:
 @patch
 def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats, n_loops=None):
     "The main blocks over tokens (or segments): plain, or prelude -> core x n_loops -> coda. Returns x and loop stats."
-    cfg = self.cfg
-    if not cfg.recurrence.enabled:
+    cfg, r = self.cfg, self.cfg.recurrence
+    if not r.enabled:
         return _run(self.layers, x, cos, sin, mask, aux, acc, 0)[0], {}
-    p, c = cfg.recurrence.n_prelude, cfg.recurrence.n_core
+    p, c = r.n_prelude, r.n_core
     e, _ = _run(self.layers[:p], x, cos, sin, mask, aux, acc, 0)
     loops = _loop_count(cfg, self.training, n_loops)
-    keep = loops if cfg.recurrence.backprop_loops <= 0 else min(cfg.recurrence.backprop_loops, loops)
+    keep = loops if r.backprop_loops <= 0 else min(r.backprop_loops, loops)
+    lora, act = getattr(self, "loop_lora", None), ACTHalting(r.halt_threshold) if r.halting else None
     state, states, entropies = torch.zeros_like(e), [], []
     for k in range(loops):
         with torch.set_grad_enabled(torch.is_grad_enabled() and k >= loops - keep):  # truncated backprop
             state, ents = _run(
                 self.layers[p : p + c],
-                self.inject(torch.cat([state, e], -1)),
+                inject_input(self.inject, state, e, lora, k),
                 cos,
                 sin,
                 mask,
@@ -425,11 +431,20 @@ def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats,
                 acc,
                 p,
             )
+            if act is not None:
+                act.step(self.halt(state), state, last=k == loops - 1)
         if ents:
             entropies.append(torch.stack(ents).mean(0))  # over the core's MoE layers
         states.append(state.detach())
-    x, _ = _run(self.layers[p + c :], state, cos, sin, mask, aux, acc, p + c)
-    return x, _loop_stats(states, entropies)
+        if act is not None and not torch.is_grad_enabled() and act.done:  # evaluation: every token has halted
+            break
+    out = state if act is None else act.output.to(state.dtype)  # ACT: the halting-weighted mix of the loop states
+    x, _ = _run(self.layers[p + c :], out, cos, sin, mask, aux, acc, p + c)
+    stats = _loop_stats(states, entropies)
+    if act is not None:
+        aux["ponder"] = r.ponder_weight * act.ponder_cost()
+        stats.update(act.stats(len(states)))
+    return x, stats
 
 # %% ../nbs/06_model.ipynb #685cece5
 def _positions(B: int, T: int, position_ids, device):
