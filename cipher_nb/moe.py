@@ -332,11 +332,10 @@ class RoutedExperts(nn.Module):
         return _Combine.apply(mm(h, wd), p, by_gather)  # [N, d]
 
 # %% ../nbs/05_moe.ipynb #34ae5b13
-def _shared_projection_loop(x, idx, gates, shared, factors):
+def _shared_projection_loop(x, idx, gates, ex, factors):
     "Reference path: the shared products once per token, the low-rank ones one expert at a time."
-    wg, wu, wd = shared
     ga, gb, ua, ub, da, db = factors
-    sg, su = F.linear(x, wg), F.linear(x, wu)  # [N, S] each
+    sg, su = ex.w_gate(x), ex.w_up(x)  # [N, S] each
     hsum, y = torch.zeros_like(sg), torch.zeros_like(x)
     for e in range(ga.shape[0]):
         tok, j = (idx == e).nonzero(as_tuple=True)
@@ -348,7 +347,7 @@ def _shared_projection_loop(x, idx, gates, shared, factors):
         h = F.silu(a) * b * gates[tok, j, None]
         hsum.index_add_(0, tok, h)
         y.index_add_(0, tok, F.linear(F.linear(h, da[e]), db[e]))
-    return y + F.linear(hsum, wd)
+    return y + ex.w_down(hsum)
 
 
 class SharedProjectionExperts(nn.Module):
@@ -369,20 +368,19 @@ class SharedProjectionExperts(nn.Module):
         "x [N,d], idx and gates [N,k] -> [N,d] through the `grouped`, `bmm` or `loop` path."
         dt = compute_dtype(x)
         x, gates = x.to(dt), gates.to(dt)
-        wg, wu, wd = (m.weight.to(dt) for m in (self.w_gate, self.w_up, self.w_down))
         f = [w.to(dt) for w in (self.gate_a, self.gate_b, self.up_a, self.up_b, self.down_a, self.down_b)]
         if impl == "loop":
-            return _shared_projection_loop(x, idx, gates, (wg, wu, wd), f)
+            return _shared_projection_loop(x, idx, gates, self, f)
         ga, gb, ua, ub, da, db = f
         p, mm = expert_products(idx, ga.shape[0], impl, counts)
         by_gather = x.device.type != "cpu"
         g = _RowGates.apply(gates.flatten(), p)[:, None]  # [rows, 1], 0 on padding rows
         low = mm(_Dispatch.apply(x, p, by_gather), torch.cat([ga, ua], 1))  # [rows, 2r]: both A products at once
         lg, lu = low.chunk(2, -1)
-        sg = _Dispatch.apply(F.linear(x, wg), p, by_gather)  # [rows, S]: the shared product, once per token
-        su = _Dispatch.apply(F.linear(x, wu), p, by_gather)
+        sg = _Dispatch.apply(self.w_gate(x), p, by_gather)  # [rows, S]: the shared product, once per token
+        su = _Dispatch.apply(self.w_up(x), p, by_gather)
         h = F.silu(sg + mm(lg, gb)) * (su + mm(lu, ub)) * g  # [rows, S]
-        y = F.linear(_Combine.apply(h, p, by_gather), wd)  # [N, d]: W_down once per token, on the summed hiddens
+        y = self.w_down(_Combine.apply(h, p, by_gather))  # [N, d]: W_down once per token, on the summed hiddens
         return y + _Combine.apply(mm(mm(h, da), db), p, by_gather)
 
 # %% ../nbs/05_moe.ipynb #9de4ba0d
