@@ -1,4 +1,4 @@
-"""Router, grouped routed experts, shared experts, MoE losses, loss-free balancing and expert statistics.
+"""Router, grouped routed experts, shared-projection experts, shared experts, MoE losses, loss-free balancing and expert statistics.
 
 Docs: https://cipher-nb.github.io/cipher_nb/moe.html.md"""
 
@@ -8,7 +8,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/moe.html.md"""
 __all__ = ['GROUP_ALIGN', 'FUSED_GATE_UP_ROWS', 'MOE_IMPLS', 'GROUPED_DTYPES', 'SwiGLU', 'top_indices', 'route', 'expert_counts',
            'router_z_loss', 'router_probs', 'balance_loss', 'ortho_loss', 'cross_pop_overlap', 'expert_load_stats',
            'DispatchPlan', 'dispatch_plan', 'sum_token_rows', 'grouped_mm', 'grouped_mm_op', 'compute_dtype',
-           'bmm_capacity', 'RoutedExperts', 'resolve_moe_impl', 'MoE', 'update_moe_biases', 'moe_kernels_used']
+           'bmm_capacity', 'expert_products', 'RoutedExperts', 'SharedProjectionExperts', 'resolve_moe_impl',
+           'expert_width', 'MoE', 'update_moe_biases', 'moe_kernels_used']
 
 # %% ../nbs/05_moe.ipynb #5ee5504f
 import math
@@ -282,6 +283,26 @@ def _experts_loop(x, idx, gates, wg, wu, wd, y):
     return y
 
 
+def expert_products(idx, n_experts: int, impl: str, counts=None):
+    "The dispatch plan for `idx` [N,k] and `mm(a, w)`: buffer rows [rows,K] times each row's expert's w [E,M,K]."
+    if counts is None:
+        counts = expert_counts(idx, n_experts)
+    if impl == "grouped":
+        p = dispatch_plan(idx, n_experts, counts=counts)
+
+        def mm(a, w):
+            return grouped_mm(a, w.mT, p.offs)
+    elif impl == "bmm":
+        cap = bmm_capacity(counts, idx.shape[0])
+        p = dispatch_plan(idx, n_experts, capacity=cap, counts=counts)
+
+        def mm(a, w):
+            return torch.bmm(a.view(n_experts, cap, -1), w.mT).flatten(0, 1)
+    else:
+        raise ValueError(f"MoE path '{impl}' unknown: use model.moe.impl = 'auto', 'grouped', 'bmm' or 'loop'")
+    return p, mm
+
+
 class RoutedExperts(nn.Module):
     "`n` SwiGLU experts with stacked weights; `forward(x, idx, gates, impl)` sums each token's gated choices."
 
@@ -299,21 +320,7 @@ class RoutedExperts(nn.Module):
         if impl == "loop":
             return _experts_loop(x, idx, gates, wg, wu, wd, torch.zeros_like(x))
         E = wg.shape[0]
-        if counts is None:
-            counts = expert_counts(idx, E)
-        if impl == "grouped":
-            p = dispatch_plan(idx, E, counts=counts)
-
-            def mm(a, w):
-                return grouped_mm(a, w.mT, p.offs)
-        elif impl == "bmm":
-            cap = bmm_capacity(counts, idx.shape[0])
-            p = dispatch_plan(idx, E, capacity=cap, counts=counts)
-
-            def mm(a, w):
-                return torch.bmm(a.view(E, cap, -1), w.mT).flatten(0, 1)
-        else:
-            raise ValueError(f"MoE path '{impl}' unknown: use model.moe.impl = 'auto', 'grouped', 'bmm' or 'loop'")
+        p, mm = expert_products(idx, E, impl, counts)
         by_gather = x.device.type != "cpu"
         g = _RowGates.apply(gates.flatten(), p)[:, None]  # [rows, 1], 0 on padding rows
         xs = _Dispatch.apply(x, p, by_gather)  # [rows, d]
@@ -324,12 +331,71 @@ class RoutedExperts(nn.Module):
         h = F.silu(a) * b * g  # [rows, hidden]
         return _Combine.apply(mm(h, wd), p, by_gather)  # [N, d]
 
+# %% ../nbs/05_moe.ipynb #34ae5b13
+def _shared_projection_loop(x, idx, gates, ex, factors):
+    "Reference path: the shared products once per token, the low-rank ones one expert at a time."
+    ga, gb, ua, ub, da, db = factors
+    sg, su = ex.w_gate(x), ex.w_up(x)  # [N, S] each
+    hsum, y = torch.zeros_like(sg), torch.zeros_like(x)
+    for e in range(ga.shape[0]):
+        tok, j = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        a = sg[tok] + F.linear(F.linear(xe, ga[e]), gb[e])
+        b = su[tok] + F.linear(F.linear(xe, ua[e]), ub[e])
+        h = F.silu(a) * b * gates[tok, j, None]
+        hsum.index_add_(0, tok, h)
+        y.index_add_(0, tok, F.linear(F.linear(h, da[e]), db[e]))
+    return y + ex.w_down(hsum)
+
+
+class SharedProjectionExperts(nn.Module):
+    "`n` SwiGLU experts of width `inter`: shared `w_gate`, `w_up`, `w_down` plus a rank-`rank` product each."
+
+    def __init__(self, n: int, d_model: int, inter: int, rank: int):
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, inter, bias=False)
+        self.w_up = nn.Linear(d_model, inter, bias=False)
+        self.w_down = nn.Linear(inter, d_model, bias=False)
+        # nn.Linear layout, expert first: expert e's gate matrix is w_gate.weight + gate_b[e] @ gate_a[e]
+        self.gate_a, self.up_a = (nn.Parameter(torch.empty(n, rank, d_model)) for _ in range(2))
+        self.gate_b, self.up_b = (nn.Parameter(torch.empty(n, inter, rank)) for _ in range(2))
+        self.down_a = nn.Parameter(torch.empty(n, rank, inter))
+        self.down_b = nn.Parameter(torch.empty(n, d_model, rank))
+
+    def forward(self, x, idx, gates, impl: str = "bmm", counts=None):
+        "x [N,d], idx and gates [N,k] -> [N,d] through the `grouped`, `bmm` or `loop` path."
+        dt = compute_dtype(x)
+        x, gates = x.to(dt), gates.to(dt)
+        f = [w.to(dt) for w in (self.gate_a, self.gate_b, self.up_a, self.up_b, self.down_a, self.down_b)]
+        if impl == "loop":
+            return _shared_projection_loop(x, idx, gates, self, f)
+        ga, gb, ua, ub, da, db = f
+        p, mm = expert_products(idx, ga.shape[0], impl, counts)
+        by_gather = x.device.type != "cpu"
+        g = _RowGates.apply(gates.flatten(), p)[:, None]  # [rows, 1], 0 on padding rows
+        low = mm(_Dispatch.apply(x, p, by_gather), torch.cat([ga, ua], 1))  # [rows, 2r]: both A products at once
+        lg, lu = low.chunk(2, -1)
+        sg = _Dispatch.apply(self.w_gate(x), p, by_gather)  # [rows, S]: the shared product, once per token
+        su = _Dispatch.apply(self.w_up(x), p, by_gather)
+        h = F.silu(sg + mm(lg, gb)) * (su + mm(lu, ub)) * g  # [rows, S]
+        y = self.w_down(_Combine.apply(h, p, by_gather))  # [N, d]: W_down once per token, on the summed hiddens
+        return y + _Combine.apply(mm(mm(h, da), db), p, by_gather)
+
 # %% ../nbs/05_moe.ipynb #9de4ba0d
 MOE_IMPLS = get_args(MoEKernel)  # the config Literal: auto plus these
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what `_grouped_mm` multiplies (no float64)
 
 
-def resolve_moe_impl(impl: str, device, dtype=torch.float32, d_model: int = 8, hidden: int = 8) -> str:
+def resolve_moe_impl(
+    impl: str,
+    device,
+    dtype=torch.float32,
+    d_model: int = 8,
+    hidden: int = 8,
+    hidden_name: str = "model.moe.expert_d_ff",
+) -> str:
     "The expert path for `impl` ('auto' or a forced one) on `device` at `dtype`, with a clear error when it cannot run."
     device = torch.device(device)
     aligned = d_model % 8 == 0 and hidden % 8 == 0
@@ -348,7 +414,7 @@ def resolve_moe_impl(impl: str, device, dtype=torch.float32, d_model: int = 8, h
             )
         if not aligned:
             raise ValueError(
-                f"model.moe.impl = 'grouped' needs model.d_model ({d_model}) and model.moe.expert_d_ff ({hidden}) "
+                f"model.moe.impl = 'grouped' needs model.d_model ({d_model}) and {hidden_name} ({hidden}) "
                 "divisible by 8: use 'bmm' or change them"
             )
         if dtype not in GROUPED_DTYPES:
@@ -357,6 +423,14 @@ def resolve_moe_impl(impl: str, device, dtype=torch.float32, d_model: int = 8, h
                 "use 'bmm' or 'auto'"
             )
     return impl
+
+
+def expert_width(moe) -> tuple:
+    "(value, config name) of the expert width the grouped kernel must find aligned: the first unaligned one, if any."
+    if moe.kind == "routed":
+        return moe.expert_d_ff, "model.moe.expert_d_ff"
+    widths = [(moe.shared_inter, "model.moe.shared_inter"), (moe.expert_rank, "model.moe.expert_rank")]
+    return next((w for w in widths if w[0] % 8), widths[0])
 
 # %% ../nbs/05_moe.ipynb #d1591b58
 def _in_backward() -> bool:
@@ -378,7 +452,10 @@ class MoE(nn.Module):
         self.cfg = cfg
         E, d, h = cfg.moe.n_routed, cfg.d_model, cfg.moe.expert_d_ff
         self.router = nn.Linear(d, E, bias=False)
-        self.experts = RoutedExperts(E, d, h)
+        if cfg.moe.kind == "shared_projection":
+            self.experts = SharedProjectionExperts(E, d, cfg.moe.shared_inter, cfg.moe.expert_rank)
+        else:
+            self.experts = RoutedExperts(E, d, h)
         self.shared = SwiGLU(d, cfg.moe.n_shared * h) if cfg.moe.n_shared > 0 else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.pending_load = None  # [E] int64 counts since the last bias update (not a buffer: see above)
@@ -387,8 +464,18 @@ class MoE(nn.Module):
 
     def reset_parameters(self):
         "Normal(0, init_std) router and experts (the shared SwiGLU keeps nn.Linear's init unless the model re-inits)."
-        for w in (self.router.weight, self.experts.w_gate, self.experts.w_up, self.experts.w_down):
-            nn.init.normal_(w, std=self.cfg.init_std)
+        std, ex = self.cfg.init_std, self.experts
+        if isinstance(ex, SharedProjectionExperts):  # B factors: A @ B has the entries of a Normal(0, std) matrix
+            for w in (ex.w_gate.weight, ex.w_up.weight, ex.w_down.weight, ex.gate_a, ex.up_a, ex.down_a):
+                nn.init.normal_(w, std=std)
+            r = ex.gate_a.shape[1]
+            for w, s in ((ex.gate_b, 1.0), (ex.up_b, 1.0), (ex.down_b, 1 / math.sqrt(2 * self.cfg.n_layers))):
+                nn.init.normal_(w, std=s / math.sqrt(r))
+            ws = (self.router.weight,)
+        else:
+            ws = (self.router.weight, ex.w_gate, ex.w_up, ex.w_down)
+        for w in ws:
+            nn.init.normal_(w, std=std)
 
 # %% ../nbs/05_moe.ipynb #35dd0346
 from fastcore.basics import patch
@@ -413,7 +500,7 @@ def forward(self: MoE, x):
         self.expert_bias.to(rdt) if c.moe.bias_balance else None,
     )
     counts = expert_counts(idx, c.moe.n_routed)  # [E]
-    impl = resolve_moe_impl(c.moe.impl, x.device, compute_dtype(xf), c.d_model, c.moe.expert_d_ff)
+    impl = resolve_moe_impl(c.moe.impl, x.device, compute_dtype(xf), c.d_model, *expert_width(c.moe))
     self.kernel = impl
     y = self.experts(xf, idx, gates, impl, counts)
     if self.shared is not None:

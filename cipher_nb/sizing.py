@@ -24,8 +24,11 @@ def block_params(m: ModelConfig, moe: bool) -> tuple:
         return attn + norms + ffn, attn + norms + ffn
     expert = 3 * m.d_model * e.expert_d_ff
     router = m.d_model * e.n_routed
-    shared = e.n_shared * expert
-    return attn + norms + router + shared + e.n_routed * expert, attn + norms + router + shared + e.top_k * expert
+    fixed = attn + norms + router + e.n_shared * expert  # what every token uses
+    if e.kind == "shared_projection":  # the wide shared projection once, then each expert's rank-r factors
+        fixed += 3 * m.d_model * e.shared_inter
+        expert = 3 * e.expert_rank * (m.d_model + e.shared_inter)
+    return fixed + e.n_routed * expert, fixed + e.top_k * expert
 
 
 def _is_moe(m: ModelConfig, i: int) -> bool:
