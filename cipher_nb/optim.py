@@ -1,4 +1,4 @@
-"""Parameter groups with their weight decay and learning-rate multipliers, AdamW, 8-bit AdamW or Muon for the hidden matrices and the routed experts, a resume that checks the optimizer it loads into, and the warmup-then-cosine schedule.
+"""Parameter groups with their weight decay and learning-rate multipliers, AdamW, 8-bit AdamW or Muon for the hidden matrices, a resume that checks the optimizer it loads into, and the warmup-then-cosine schedule.
 
 Docs: https://cipher-nb.github.io/cipher_nb/optim.html.md"""
 
@@ -89,7 +89,7 @@ def optimizer_kind(opt) -> str:
 
 # %% ../nbs/08a_optim.ipynb #776506ab
 MUON_SKIP = ("embed", "head", "router", "boundary", "lora", "memory")  # name substrings that stay on AdamW
-MUON_EXPERTS = True  # Muon (one matrix per expert) for the routed experts' 3-D weights; False: AdamW for them
+MUON_EXPERTS = False  # True: Muon (one matrix per expert) for the routed experts' 3-D weights; False: AdamW
 
 
 def muon_names(model: nn.Module, cfg: Config, ndim: int = 2) -> list:
@@ -196,7 +196,7 @@ class MuonAdamW:
 
 # %% ../nbs/08a_optim.ipynb #95cddf03
 def build_muon(model: nn.Module, cfg: Config, experts: bool | None = None) -> MuonAdamW:
-    "Muon over `muon_names` (and the experts' 3-D weights unless `experts` is False), AdamW over the rest."
+    "Muon over `muon_names` (and the experts' 3-D weights when `experts`, default `MUON_EXPERTS`), AdamW for the rest."
     from torch.distributed.tensor import DTensor
 
     named = dict(model.named_parameters())
