@@ -18,6 +18,7 @@ Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `-
   moe+bp     the MoE with the byte-level boundary predictor (model.boundary.enabled=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
   dense+muon, moe+muon  dense / moe trained with optim.name=muon (Muon for the hidden matrices, AdamW for the rest)
+  moe+muonx  moe+muon with the routed experts on Muon too, one matrix per expert (cipher_nb.optim.MUON_EXPERTS)
 
 Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up, then
 timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round), on
@@ -55,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))  # minimal_gpt, also when this file is loaded by path (the tests)
 BASELINE = "minimal-gpt"
-CONTENDERS = (BASELINE, "dense", "moe", "moe+bp", "recurrent", "dense+muon", "moe+muon")
+CONTENDERS = (BASELINE, "dense", "moe", "moe+bp", "recurrent", "dense+muon", "moe+muon", "moe+muonx")
 DEFAULT_CONTENDERS = CONTENDERS[:5]  # the optimizer variants run when named
 REFS = (BASELINE, "dense")  # the per-seed differences the table reports
 
@@ -81,7 +82,7 @@ def contender_overrides(name: str, cfg) -> list:
         return []
     if name == "moe+bp":
         return ["model.boundary.enabled=true"]
-    if name in ("dense+muon", "moe+muon"):
+    if name in ("dense+muon", "moe+muon", "moe+muonx"):
         return [*contender_overrides(name.split("+")[0], cfg), "optim.name=muon"]
     if name == "recurrent":
         if m.n_layers < 3:
@@ -124,6 +125,9 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     else:
         plan = [f"training.max_steps={steps}"]
     cfg = load_config(a.config, [*over, *plan])
+    import cipher_nb.optim
+
+    cipher_nb.optim.MUON_EXPERTS = name == "moe+muonx"  # read when the trainer builds its optimizer
     tr = build_trainer(cfg, run_dir, progress=False)
     tr.clock = time.process_time if a.clock == "cpu" else time.perf_counter
     tr.checkpoints = tr.record = tr.monitor = None

@@ -119,6 +119,7 @@ def test_muon_contenders_add_the_optimizer_to_their_base():
     cfg = Config()
     assert quality.contender_overrides("moe+muon", cfg) == ["optim.name=muon"]
     assert quality.contender_overrides("dense+muon", cfg) == ["model.moe.n_routed=0", "optim.name=muon"]
+    assert quality.contender_overrides("moe+muonx", cfg) == ["optim.name=muon"]  # the experts on Muon when built
 
 
 def test_heldout_rows_at_the_trained_length_cover_the_same_bytes():
@@ -145,3 +146,21 @@ def test_peak_rss_is_the_child_own_not_the_parent_inherited():
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert quality.peak_rss_gb() > ballast.numel() / 1e9
     assert child < quality.peak_rss_gb() - 0.05, (child, quality.peak_rss_gb())
+
+
+def test_moe_muonx_puts_the_experts_on_muon(tmp_path):
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(
+        config=None, overrides=["model.n_layers=2", "training.warmup_steps=1"], plan="steps", clock="cpu"
+    )
+    tr = quality.contender_trainer(a, "moe+muon", 0, 5, tmp_path / "a")[0]
+    assert tr.optimizer.experts is None and any(
+        "experts" in n for g in tr.optimizer.adamw.param_groups for n in g["names"]
+    )
+    tr = quality.contender_trainer(a, "moe+muonx", 0, 5, tmp_path / "b")[0]
+    assert [n.rsplit(".", 1)[-1] for n in tr.optimizer.experts.param_groups[0]["names"]][:3] == [
+        "w_gate",
+        "w_up",
+        "w_down",
+    ]
