@@ -108,7 +108,8 @@ def test_tiny_cpu_is_the_default():
 
 
 def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
-    "The 90-second preset loads, and differs from the default only in the step shape, the budget and the eval size."
+    "The 90-second preset loads, and differs from the default only in the step shape, the budget, the eval size and
+    the optimizer (Muon)."
     from dataclasses import asdict
 
     from cipher_nb.config import Config, load_config, parse_duration
@@ -122,3 +123,4 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     assert asdict(p.model) == asdict(d.model) and asdict(p.data) == asdict(d.data)
     changed = {k for k, v in asdict(p.training).items() if v != asdict(d.training)[k]}
     assert changed == {"batch_size", "seq_len", "time_budget", "eval_batches"}, changed
+    assert p.optim.name == "muon" and {k for k, v in asdict(p.optim).items() if v != asdict(d.optim)[k]} == {"name"}
