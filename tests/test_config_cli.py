@@ -108,8 +108,7 @@ def test_tiny_cpu_is_the_default():
 
 
 def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
-    "The 90-second preset loads, and differs from the default only in the step shape, the budget, the eval size and
-    the optimizer (Muon)."
+    "The 90-second preset: the default but for the step shape, the budget, the eval size and the optimizer (Muon)."
     from dataclasses import asdict
 
     from cipher_nb.config import Config, load_config, parse_duration
