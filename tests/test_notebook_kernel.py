@@ -133,9 +133,8 @@ def test_example_notebook_runs_all_in_a_kernel(name):
     assert not [s for s in noise if "Traceback" in s or "Error" in s], noise
 
 
-def test_notebooks_carry_the_kernel_metadata_jupyterlab_writes():
-    "JupyterLab marks a notebook modified on opening when its kernelspec or language_info differ from the kernel's."
+def test_notebooks_carry_the_language_info_jupyterlab_writes():
+    "JupyterLab adds language_info on opening a notebook that lacks it; nbdev-clean keeps it (pyproject.toml)."
     for path in sorted([*(ROOT / "nbs").glob("*.ipynb"), *(ROOT / "examples").glob("*.ipynb")]):
         md = json.loads(path.read_text())["metadata"]
-        assert md.get("kernelspec", {}).get("display_name") == "Python 3 (ipykernel)", path.name
         assert md.get("language_info", {}).get("name") == "python" and md["language_info"].get("version"), path.name

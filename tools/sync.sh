@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# After editing notebooks: export, clean, set the kernel metadata JupyterLab expects, format, export the formatted code.
+# After editing notebooks: export, clean, add the language_info JupyterLab expects, format, export the formatted code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nbdev-export
