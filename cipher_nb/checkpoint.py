@@ -9,9 +9,9 @@ __all__ = ['MARKER', 'META', 'STATE', 'SHARDED', 'EXPORT_WEIGHTS', 'EXPORT_CONFI
            'UnsafeCheckpointError', 'ResumeError', 'StageError', 'checkpoint_name', 'checkpoint_step', 'is_complete',
            'list_checkpoints', 'fsync_dir', 'write_durable', 'write_json_atomic', 'first_sentence', 'safe_load',
            'check_plain', 'write_marker', 'utc_now', 'verify_checkpoint', 'split_tensors', 'merge_tensors', 'dcp_save',
-           'dcp_load', 'dist_info', 'has_dtensor', 'install_dir', 'save_checkpoint', 'read_meta', 'load_checkpoint',
-           'CheckpointWarning', 'latest_checkpoint', 'prune_checkpoints', 'host_copy', 'copy_checkpoint',
-           'load_exported']
+           'dcp_load', 'dist_info', 'has_dtensor', 'install_dir', 'fresh_tmp_dir', 'commit_checkpoint',
+           'save_checkpoint', 'read_meta', 'load_checkpoint', 'CheckpointWarning', 'latest_checkpoint',
+           'prune_checkpoints', 'host_copy', 'copy_checkpoint', 'load_exported']
 
 # %% ../nbs/09_checkpoint.ipynb #b09f311a
 import io
@@ -414,6 +414,31 @@ def _write_state(file: Path, state: dict):
         f.flush()
         os.fsync(f.fileno())
 
+
+def fresh_tmp_dir(path: Path) -> Path:
+    "The empty temporary directory beside `path` that a checkpoint is written into (call on rank 0)."
+    tmp = path.with_name(f".tmp-{path.name}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(tmp: Path, path: Path, state: dict, meta: dict | None):
+    "Rank 0: write the replicated state and the meta into `tmp`, make it durable, install it as `path`, then mark it."
+    _write_state(tmp / STATE, state)
+    write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
+    if (tmp / SHARDED).is_dir():
+        fsync_dir(tmp / SHARDED)
+    fsync_dir(tmp)
+    save_fault_point("rename")
+    old = install_dir(tmp, path)
+    save_fault_point("marker")
+    write_marker(path, step=(meta or {}).get("step"))
+    if old.exists():
+        shutil.rmtree(old)
+
 # %% ../nbs/09_checkpoint.ipynb #0de5a6ec
 def save_checkpoint(path, state: dict, meta: dict | None = None, sharded=()) -> Path:
     "Write `state` to the directory `path` atomically: temporary directory, fsync, rename, then the marker."
@@ -423,29 +448,14 @@ def save_checkpoint(path, state: dict, meta: dict | None = None, sharded=()) -> 
     rank, _, distributed = dist_info()
     if not sharded and rank != 0:
         return path
-    tmp = path.with_name(f".tmp-{path.name}")
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+    tmp = fresh_tmp_dir(path) if rank == 0 else path.with_name(f".tmp-{path.name}")
     if sharded:
         _barrier()  # the directory exists before any rank writes into it
         skeleton, flat = split_tensors({k: state[k] for k in sharded})
         dcp_save(flat, tmp / SHARDED)
         state = {**{k: v for k, v in state.items() if k not in sharded}, "_sharded": skeleton}
     if rank == 0:
-        _write_state(tmp / STATE, state)
-        write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
-        if (tmp / SHARDED).is_dir():
-            fsync_dir(tmp / SHARDED)
-        fsync_dir(tmp)
-        save_fault_point("rename")
-        old = install_dir(tmp, path)
-        save_fault_point("marker")
-        write_marker(path, step=(meta or {}).get("step"))
-        if old.exists():
-            shutil.rmtree(old)
+        commit_checkpoint(tmp, path, state, meta)
     if sharded:
         _barrier()  # no rank reads or prunes before the marker exists
     return path

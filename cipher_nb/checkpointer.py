@@ -10,7 +10,6 @@ __all__ = ['Checkpointer', 'is_sharded', 'gather_ranks', 'training_state', 'chec
 
 # %% ../nbs/09a_checkpointer.ipynb #4be0bee2
 import io
-import json
 import shutil
 import threading
 import time
@@ -24,7 +23,6 @@ from torch import nn
 from cipher_nb.checkpoint import (
     EXPORT_WEIGHTS,
     FORMAT,
-    META,
     SHARDED,
     STATE,
     CheckpointError,
@@ -32,13 +30,13 @@ from cipher_nb.checkpoint import (
     ResumeError,
     check_plain,
     checkpoint_name,
+    commit_checkpoint,
     copy_checkpoint,
     dist_info,
     first_sentence,
-    fsync_dir,
+    fresh_tmp_dir,
     has_dtensor,
     host_copy,
-    install_dir,
     is_complete,
     load_checkpoint,
     load_exported,
@@ -47,12 +45,9 @@ from cipher_nb.checkpoint import (
     save_checkpoint,
     split_tensors,
     utc_now,
-    write_durable,
-    write_marker,
 )
 from .config import Config, config_hash
 from .core import rng_state, set_rng_state
-from .faults import save_fault_point
 
 # %% ../nbs/09a_checkpointer.ipynb #d39f2fb6
 class Checkpointer:
@@ -311,12 +306,7 @@ def _save_sharded_async(self: Checkpointer, path: Path, state: dict, meta: dict,
     rank = dist_info()[0]
     if self._group is None:  # collective: every rank reaches its first sharded save together
         self._group = checkpoint_group()
-    tmp = path.with_name(f".tmp-{path.name}")
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+    tmp = fresh_tmp_dir(path) if rank == 0 else path.with_name(f".tmp-{path.name}")
     dist.barrier(group=self._group)  # the directory exists before any rank writes into it
     keys = [k for k in state if has_dtensor(state[k])]
     skeleton, flat = split_tensors({k: state[k] for k in keys})
@@ -342,18 +332,7 @@ def _finish_sharded(self: Checkpointer, future, path: Path, tmp: Path, rest, ske
     try:
         future.result()  # on rank 0: every rank's shards are durable
         if dist_info()[0] == 0:
-            buf = io.BytesIO()
-            torch.save({**rest, "_sharded": skeleton}, buf)
-            write_durable(tmp / STATE, buf.getvalue())
-            write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
-            fsync_dir(tmp / SHARDED)
-            fsync_dir(tmp)
-            save_fault_point("rename")
-            old = install_dir(tmp, path)
-            save_fault_point("marker")
-            write_marker(path, step=(meta or {}).get("step"))
-            if old.exists():
-                shutil.rmtree(old)
+            commit_checkpoint(tmp, path, {**rest, "_sharded": skeleton}, meta)
             self._after_write(path, prune)
     finally:
         dist.barrier(group=self._group)  # every rank's wait() returns once the marker is there
