@@ -9,10 +9,11 @@ __all__ = ['NO_HELDOUT', 'BUDGET_MAX_STEPS', 'EXIT_FAILED', 'EXIT_USAGE', 'EXIT_
            'TensorBoardCallback', 'WandbCallback', 'logger_callbacks', 'stage_hooks', 'init_distributed',
            'resume_source', 'check_start', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
            'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'claim_run_dir', 'one_line_warning', 'exit_with',
-           'smaller_batch', 'oom_advice', 'cipher_train']
+           'smaller_batch', 'oom_advice', 'shutdown_distributed', 'cipher_train']
 
 # %% ../nbs/11_train.ipynb #c0aa1c89
 import argparse
+import gc
 import json
 import shutil
 import sys
@@ -443,6 +444,17 @@ def oom_advice(cfg: Config, device, step=None, peak_gb: float = None) -> str:
     )
     return head + "".join(f"\n  {i}. {f}" for i, f in enumerate(fixes, 1)) if fixes else head
 
+# %% ../nbs/11_train.ipynb #886ca8b2
+def shutdown_distributed(clean: bool = True):
+    "Destroy every process group now, after a barrier when `clean` (a failed rank may never reach one)."
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()  # objects that held the groups (a model's device mesh, a checkpointer's group) go first
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+
 # %% ../nbs/11_train.ipynb #b9f6b0f1
 @call_parse(pos=["config"])
 def cipher_train(
@@ -465,7 +477,7 @@ def cipher_train(
     Exit codes: 0 finished or stopped cleanly (SIGTERM / SIGINT), 1 the run failed, 2 a usage or config error (nothing
     written), 3 out of memory (the last checkpoint intact)."""
     warnings.formatwarning = one_line_warning
-    trainer = None
+    trainer, summary = None, None
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, (config, *overrides)
     try:
@@ -485,11 +497,12 @@ def cipher_train(
             trainer.fit(progress=not quiet, reraise=False)
         except (NonFiniteError, DataError, ck.CheckpointError, OSError, ValueError) as e:
             exit_with(EXIT_FAILED, f"{e} (stopped at step {trainer.step}; resume with --out {run_dir} --resume auto)")
+        summary = run_summary(trainer) if trainer.is_main else ""
     except torch.OutOfMemoryError:
         device = trainer.device if trainer else resolve_device(cfg.training.device)
         exit_with(EXIT_OOM, oom_advice(cfg, device, trainer and trainer.step))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if trainer.is_main:
-        print(run_summary(trainer), file=sys.stderr)
+        trainer = None  # its model and checkpointer hold process groups: let them go before the groups are destroyed
+        shutdown_distributed(clean=summary is not None)
+    if summary:
+        print(summary, file=sys.stderr)
