@@ -7,16 +7,18 @@ Docs: https://cipher-nb.github.io/cipher_nb/attention.html.md"""
 # %% auto #0
 __all__ = ['ATTN_KERNELS', 'rope_frequencies', 'rope_tables', 'apply_rope', 'attention_kernel', 'attention_mask', 'mask_mod',
            'flex_functions', 'block_mask', 'varlen_offsets', 'AttnMask', 'build_attn_mask', 'varlen_window_size',
-           'attend', 'Attention', 'attention_kernels_used']
+           'attend', 'CacheMiss', 'KVSlot', 'KVCache', 'Attention', 'attention_kernels_used']
 
 # %% ../nbs/05d_attention.ipynb #a77e0004
 import functools
 import math
+import typing
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import ModelConfig
@@ -150,6 +152,7 @@ class AttnMask:
     cu_seqlens: torch.Tensor = None  # varlen: [n_docs + 1] int32 over the flattened batch
     max_len: int = 0  # varlen: longest document
     window: int = 0  # varlen: sliding window (0 = none)
+    causal: bool = True  # sdpa: False for a decode step, whose one query sees every cached key the mask allows
 
 
 def build_attn_mask(kernel: str, T: int, doc_ids=None, window: int = 0, valid=None, B: int = 1, device=None):
@@ -185,11 +188,87 @@ def attend(q, k, v, mask: AttnMask) -> torch.Tensor:
         return flex_functions(q.device)[1](q, k, v, block_mask=mask.block, enable_gqa=gqa)
     if mask.kernel == "varlen":
         return _varlen(q, k, v, mask, gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, is_causal=mask.dense is None, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.dense, is_causal=mask.dense is None and mask.causal, enable_gqa=gqa
+    )
+
+# %% ../nbs/05d_attention.ipynb #e418160f
+class CacheMiss(Exception):
+    "A decode step needs cached tensors no earlier position computed (a recurrent loop past the cached depth)."
+
+
+class KVSlot(typing.NamedTuple):
+    "One layer's handle on the cache: `update(*new)` stores the step's tensors and returns what to attend over."
+
+    cache: "KVCache"
+    key: tuple
+
+    def update(self, *new) -> tuple:
+        return self.cache.update(self.key, *new)
+
+
+class KVCache:
+    "Cached tensors of every attention layer for generation: `max_len` slots, or a ring of `window` slots."
+
+    def __init__(self, batch: int, max_len: int, window: int = 0, pad=None, device=None):
+        self.batch, self.window = batch, window
+        self.size = min(window, max_len) if window else max_len
+        self.pad = pad.to(device) if pad is not None and bool((pad > 0).any()) else None  # [B] left padding
+        self.slot_pos = torch.full((self.size,), -1, dtype=torch.long, device=device)  # the position in each slot
+        self.device, self.t, self.n = device, 0, 0  # ids stored per row (padding included); slots a step reads
+        self.layers, self.mask = {}, None  # key -> [buffers [B, heads, size, width]]; the step's AttnMask
+        self.depth = 0  # loops of a recurrent core every position keeps (set by the prompt)
+
+    def slot(self, key) -> KVSlot:
+        return KVSlot(self, key)
+
+# %% ../nbs/05d_attention.ipynb #4772779a
+@patch
+def begin(self: KVCache, T: int, kernel: str = "sdpa") -> tuple:
+    "Start a step of T new ids: (positions [B, T], the `AttnMask` every layer shares)."
+    dev, pad = self.device, self.pad
+    if self.t == 0:  # prefill: the prompt attends within itself; its last `size` positions are stored
+        valid = None if pad is None else torch.arange(T, device=dev)[None] >= pad[:, None]  # [B, T]
+        self.mask = build_attn_mask(kernel, T, None, self.window, valid, self.batch, dev)
+        kept = torch.arange(max(0, T - self.size), T, device=dev)
+        self.slot_pos[kept % self.size] = kept
+    elif T == 1:  # decode: one query per row over every stored slot it may see
+        self.slot_pos[self.t % self.size] = self.t
+        self.n = min(self.t + 1, self.size)
+        dense = None if pad is None else (self.slot_pos[: self.n][None] >= pad[:, None])[:, None, None]  # [B,1,1,n]
+        self.mask = AttnMask("sdpa", dense=dense, causal=False)
+    else:
+        raise ValueError(f"a KVCache takes the prompt, then one id per step (got {T} ids after {self.t})")
+    pos = self.t + torch.arange(T, device=dev)[None]  # [1, T]
+    return (pos if pad is None else (pos - pad[:, None]).clamp(min=0)).expand(self.batch, T), self.mask
+
+
+@patch
+def update(self: KVCache, key, *new) -> tuple:
+    "Store layer `key`'s new tensors [B, heads, T, width]; return what its queries attend over."
+    if self.t == 0:
+        T, keep = new[0].shape[2], min(new[0].shape[2], self.size)
+        slots = torch.arange(T - keep, T, device=new[0].device) % self.size
+        bufs = self.layers[key] = [x.new_zeros(x.shape[0], x.shape[1], self.size, x.shape[3]) for x in new]
+        for b, x in zip(bufs, new):
+            b[:, :, slots] = x[:, :, T - keep :]
+        return new
+    s = self.t % self.size
+    out = []
+    for b, x in zip(self.layers[key], new):
+        b[:, :, s : s + 1] = x
+        out.append(b[:, :, : self.n])
+    return tuple(out)
+
+
+@patch
+def end(self: KVCache, T: int):
+    "Close a step of T ids."
+    self.t += T
 
 # %% ../nbs/05d_attention.ipynb #cff6f25d
 class Attention(nn.Module):
-    "Grouped-query causal self-attention with RoPE, through the kernel its `AttnMask` names."
+    "Grouped-query causal self-attention with RoPE, through the kernel its `AttnMask` names; cached with `kv`."
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -200,12 +279,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.nh * self.hd, cfg.d_model, bias=False)
         self.kernel = ""  # the kernel of the last call (read for the run record)
 
-    def forward(self, x, cos, sin, mask=None):
+    def forward(self, x, cos, sin, mask=None, kv: KVSlot = None):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.wk(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.wv(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:  # generation: store this step's keys and values, read every cached one
+            k, v = kv.update(k, v)
         mask = mask if isinstance(mask, AttnMask) else AttnMask("sdpa", dense=mask)
         y = attend(q, k, v, mask)  # [B, nh, T, hd]
         self.kernel = mask.kernel
