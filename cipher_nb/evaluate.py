@@ -6,7 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/evaluate.html.md"""
 
 # %% auto #0
 __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuations', 'load_mc', 'multiple_choice', 'filter_probs',
-           'prompt_ids', 'sample_ids', 'generate', 'load_model', 'cipher_eval']
+           'prompt_ids', 'can_cache', 'left_pad', 'stream_batch', 'sample_batch', 'sample_ids', 'generate',
+           'generate_batch', 'stream_text', 'load_model', 'cipher_eval']
 
 # %% ../nbs/12_evaluate.ipynb #d7db4f55
 import json
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from fastcore.script import CliError, call_parse
 
 from . import checkpoint as ck
+from .attention import CacheMiss
 from .boundary import check_bp_mode
 from .checkpointer import load_weights
 from .codecs import ByteCodec, build_codec
@@ -27,7 +29,7 @@ from .config import ConfigError, config_from_dict
 from .core import resolve_device
 from .data import DataError, source_documents
 from .metrics import heldout_metrics
-from .model import CipherModel, ModelOutput
+from .model import CipherModel, ModelOutput, cache_blocker
 from cipher_nb.sft import (
     ChatTemplate,
     Example,
@@ -188,7 +190,108 @@ def prompt_ids(prompt, codec, template: ChatTemplate = None) -> np.ndarray:
     return render_conversation(prompt, codec, generation_prompt=True)[0]
 
 
+def can_cache(model: nn.Module) -> bool:
+    "Whether `model` generates through a KV cache: a `CipherModel` of a kind `cache_blocker` allows."
+    return isinstance(model, CipherModel) and not cache_blocker(model.cfg)
+
+
+def left_pad(rows, pad_id: int, device=None) -> tuple:
+    "(ids [B, L] with each row left-padded by `pad_id`, the padding per row [B]) for id sequences of any length."
+    L = max(len(r) for r in rows)
+    x = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    for b, r in enumerate(rows):
+        x[b, L - len(r) :] = torch.as_tensor(np.asarray(r), dtype=torch.long)
+    return x.to(device), torch.tensor([L - len(r) for r in rows], device=device)
+
+# %% ../nbs/12_evaluate.ipynb #0b64b93b
+def _generators(seed, B: int, device) -> list:
+    if seed is None:
+        return [None] * B
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + b for b in range(B)]
+    return [torch.Generator(device).manual_seed(int(s)) for s in seeds]
+
+
+def _draw(logits, gens, temperature, top_k, top_p) -> list:
+    "One id per row of `logits` [B, V], row b from generator `gens[b]`."
+    probs = filter_probs(logits, temperature, top_k, top_p)
+    return [int(torch.multinomial(probs[b], 1, generator=g)) for b, g in enumerate(gens)]
+
+
+def _uncached_logits(model, rows, context, kw) -> torch.Tensor:
+    "Last-position logits [B, V]: one forward of each row's whole sequence (or its last `context` ids)."
+    return torch.cat([model(input_ids=r[None, -context:] if context else r[None], **kw).logits[:, -1] for r in rows])
+
+# %% ../nbs/12_evaluate.ipynb #1537fafb
 @torch.no_grad()
+def stream_batch(
+    model: nn.Module,
+    prompts,
+    max_new: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop=(),
+    seed=None,
+    bp_mode: str = None,
+    context: int = None,
+    cache: bool = True,
+):
+    "Yield each step's new ids, one per prompt (None once a row has drawn a `stop` id), until all stop or `max_new`."
+    device = next(model.parameters()).device
+    kw, B = _bp_kwargs(model, bp_mode), len(prompts)
+    gens, done = _generators(seed, B, device), [False] * B
+    rows = [torch.as_tensor(np.asarray(p), dtype=torch.long, device=device) for p in prompts]
+    cached = cache and context is None and can_cache(model)
+    was = model.training
+    model.eval()
+    try:
+        if cached:
+            x, pad = left_pad(rows, 0, device)
+            kv = model.new_cache(B, x.shape[1] + max_new, pad)
+            logits = model.step(x, kv)[:, -1]
+        for _ in range(max_new):
+            if not cached:
+                logits = _uncached_logits(model, rows, context, kw)
+            nxt = _draw(logits, gens, temperature, top_k, top_p)
+            done = [d or n in stop for d, n in zip(done, nxt)]
+            yield [None if d else n for d, n in zip(done, nxt)]
+            if all(done):
+                return
+            new = torch.tensor(nxt, device=device)[:, None]  # [B, 1]: a stopped row keeps feeding what it drew
+            rows = [torch.cat([r, n]) for r, n in zip(rows, new)]
+            if cached:
+                x = torch.cat([x, new], 1)
+                try:
+                    logits = model.step(new, kv)[:, -1]
+                except CacheMiss:  # a recurrent core needs a loop no position cached: recompute the context
+                    kv = model.new_cache(B, x.shape[1] + max_new, pad)
+                    logits = model.step(x, kv)[:, -1]
+    finally:
+        model.train(was)
+
+# %% ../nbs/12_evaluate.ipynb #da5a8292
+def sample_batch(
+    model: nn.Module,
+    prompts,
+    max_new: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop=(),
+    seed=None,
+    bp_mode: str = None,
+    context: int = None,
+    cache: bool = True,
+) -> list:
+    "New ids after each prompt (a list per prompt), each up to its first `stop` id (not returned) or `max_new`."
+    out = [[] for _ in prompts]
+    for step in stream_batch(model, prompts, max_new, temperature, top_k, top_p, stop, seed, bp_mode, context, cache):
+        for o, n in zip(out, step):
+            if n is not None:
+                o.append(n)
+    return out
+
+
 def sample_ids(
     model: nn.Module,
     ids,
@@ -200,25 +303,10 @@ def sample_ids(
     seed: int = None,
     bp_mode: str = None,
     context: int = None,
+    cache: bool = True,
 ) -> list:
     "New ids after `ids`, drawn one at a time until a `stop` id (not returned) or `max_new`."
-    device = next(model.parameters()).device
-    kw = _bp_kwargs(model, bp_mode)
-    gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
-    x, out = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=device)[None], []
-    was = model.training
-    model.eval()
-    try:
-        for _ in range(max_new):
-            logits = model(input_ids=x[:, -context:] if context else x, **kw).logits[0, -1]
-            nxt = int(torch.multinomial(filter_probs(logits, temperature, top_k, top_p), 1, generator=gen))
-            if nxt in stop:
-                break
-            out.append(nxt)
-            x = torch.cat([x, x.new_tensor([[nxt]])], 1)
-    finally:
-        model.train(was)
-    return out
+    return sample_batch(model, [ids], max_new, temperature, top_k, top_p, stop, seed, bp_mode, context, cache)[0]
 
 
 def generate(
@@ -234,13 +322,61 @@ def generate(
     bp_mode: str = None,
     template: ChatTemplate = None,
     context: int = None,
+    cache: bool = True,
 ) -> str:
     "Text sampled after `prompt` (text or a conversation) from a byte or token model."
+    return generate_batch(
+        model, codec, [prompt], max_new, temperature, top_k, top_p, seed, stop, bp_mode, template, context, cache
+    )[0]
+
+
+def generate_batch(
+    model: nn.Module,
+    codec,
+    prompts: list,
+    max_new: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed=None,
+    stop=None,
+    bp_mode: str = None,
+    template: ChatTemplate = None,
+    context: int = None,
+    cache: bool = True,
+) -> list:
+    "Texts sampled after each of `prompts` together (row b seeded `seed + b`)."
     stop = (codec.eot, codec.eos) if stop is None else tuple(stop)
-    new = sample_ids(
-        model, prompt_ids(prompt, codec, template), max_new, temperature, top_k, top_p, stop, seed, bp_mode, context
-    )
-    return codec.decode(new)
+    ids = [prompt_ids(p, codec, template) for p in prompts]
+    new = sample_batch(model, ids, max_new, temperature, top_k, top_p, stop, seed, bp_mode, context, cache)
+    return [codec.decode(n) for n in new]
+
+
+def stream_text(
+    model: nn.Module,
+    codec,
+    prompt,
+    max_new: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = None,
+    stop=None,
+    bp_mode: str = None,
+    template: ChatTemplate = None,
+):
+    "Yield the text sampled after `prompt` piece by piece as it is drawn (a byte that ends a UTF-8 character at once)."
+    stop = (codec.eot, codec.eos) if stop is None else tuple(stop)
+    ids, shown = [], ""
+    ctx = prompt_ids(prompt, codec, template)
+    for (n,) in stream_batch(model, [ctx], max_new, temperature, top_k, top_p, stop, seed, bp_mode):
+        if n is None:
+            return
+        ids.append(n)
+        text = codec.decode(ids).rstrip("\ufffd")  # an unfinished UTF-8 character waits for its next byte
+        if text.startswith(shown) and len(text) > len(shown):
+            yield text[len(shown) :]
+            shown = text
 
 # %% ../nbs/12_evaluate.ipynb #77e56909
 def load_model(path, device="cpu") -> tuple:
