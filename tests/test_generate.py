@@ -1,0 +1,128 @@
+"""Generation through the KV cache against the full forward (float64 on CPU, logits to 1e-9: the cached and full
+paths sum in different orders), in every mode the cache serves: GQA dense and MoE, a sliding window the sequence
+outruns, a recurrent core with a fixed loop count and with ACT halting (including the recompute on `CacheMiss`), and
+the exact fallback of boundary-predictor models; batched generation against one prompt at a time; determinism."""
+
+import pytest
+import torch
+
+from cipher_nb.attention import CacheMiss
+from cipher_nb.codecs import ByteCodec
+from cipher_nb.config import model_config
+from cipher_nb.evaluate import can_cache, generate, generate_batch, prompt_ids, sample_batch, sample_ids
+from cipher_nb.model import CipherModel
+
+TOL = 1e-9
+BASE = dict(
+    d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, n_routed=4, n_shared=1, top_k=2, expert_d_ff=16
+)
+ACT = dict(n_layers=4, recurrence=dict(n_prelude=1, n_core=2, n_coda=1, n_loops=6, halting=True, halt_threshold=0.99))
+MODES = {
+    "dense": dict(n_routed=0),
+    "moe": {},
+    "window": dict(sliding_window=5),
+    "recurrent": dict(n_layers=4, n_prelude=1, n_core=2, n_coda=1, n_loops=3),
+    "recurrent lti lora window": dict(
+        n_layers=4,
+        sliding_window=6,
+        recurrence=dict(n_prelude=1, n_core=2, n_coda=1, n_loops=3, injection="lti", loop_lora_rank=2),
+    ),
+    "act": ACT,
+}
+
+
+def build(seed=0, **kw) -> CipherModel:
+    torch.manual_seed(seed)
+    m = CipherModel(model_config(**{**BASE, **kw})).double().eval()
+    if m.cfg.recurrence.halting:  # spread the halting loops, so that tokens need different loop counts
+        torch.nn.init.normal_(m.halt.weight, std=3.0)
+        m.halt.bias.data.fill_(-1.0)
+    return m
+
+
+def stepwise_logits(m, x, prompt: int) -> tuple:
+    "Last-position logits after each prefix [B, T - prompt + 1, V] through the cache, and the recomputes taken."
+    c = m.new_cache(x.shape[0], x.shape[1])
+    out, misses = [m.step(x[:, :prompt], c)[:, -1]], 0
+    for t in range(prompt, x.shape[1]):
+        try:
+            out.append(m.step(x[:, t : t + 1], c)[:, -1])
+        except CacheMiss:  # what the generator does: the whole context into a fresh cache
+            misses += 1
+            c = m.new_cache(x.shape[0], x.shape[1])
+            out.append(m.step(x[:, : t + 1], c)[:, -1])
+    return torch.stack(out, 1), misses
+
+
+def full_logits(m, x, prompt: int) -> torch.Tensor:
+    "The reference: one full forward per prefix, its last position."
+    return torch.stack([m(x[:, :t]).logits[:, -1] for t in range(prompt, x.shape[1] + 1)], 1)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@torch.no_grad()
+def test_cached_decode_equals_the_full_forward_at_every_step(mode):
+    m = build(**MODES[mode])
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 18))
+    got, misses = stepwise_logits(m, x, 6)
+    torch.testing.assert_close(got, full_logits(m, x, 6), rtol=0, atol=TOL)
+
+
+@torch.no_grad()
+def test_act_decode_recomputes_when_an_id_needs_a_loop_the_cache_lacks():
+    m = build(**MODES["act"])
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (1, 18))  # one row and a one-id prompt: the cached depth starts shallow
+    got, misses = stepwise_logits(m, x, 1)
+    torch.testing.assert_close(got, full_logits(m, x, 1), rtol=0, atol=TOL)
+    assert misses >= 1, "no id needed a loop past the cached depth: the recompute went untested"
+
+
+@torch.no_grad()
+def test_the_prompt_logits_equal_the_full_forward_at_every_position():
+    m = build(**MODES["window"])
+    x = torch.randint(0, 256, (1, 14))
+    c = m.new_cache(1, 20)
+    torch.testing.assert_close(m(x, cache=c).logits, m(x).logits, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("mode", ["moe", "window", "recurrent"])
+@torch.no_grad()
+def test_a_left_padded_row_decodes_as_it_would_alone(mode):
+    m = build(**MODES[mode])
+    a, b = torch.randint(0, 256, (1, 15)), torch.randint(0, 256, (1, 11))
+    x = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], 1)])  # row 1 left-padded by 4
+    c = m.new_cache(2, 15, pad=torch.tensor([0, 4]))
+    got = [m.step(x[:, :8], c)[:, -1]] + [m.step(x[:, t : t + 1], c)[:, -1] for t in range(8, 15)]
+    got = torch.stack(got, 1)
+    torch.testing.assert_close(got[:1], full_logits(m, a, 8), rtol=0, atol=TOL)
+    torch.testing.assert_close(got[1:], full_logits(m, b, 4), rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("mode", ["moe", "window", "act"])
+def test_batched_generation_equals_one_prompt_at_a_time(mode):
+    m, codec = build(**MODES[mode]), ByteCodec()
+    prompts = ["def f(x):", "import os\nimport sys", "#"]
+    ids = [prompt_ids(p, codec) for p in prompts]
+    for kw in (dict(temperature=0), dict(temperature=1.0, top_k=20, top_p=0.9)):
+        batch = sample_batch(m, ids, 20, seed=[3, 4, 5], **kw)
+        assert batch == [sample_ids(m, i, 20, seed=s, **kw) for i, s in zip(ids, (3, 4, 5))]
+        assert batch == sample_batch(m, ids, 20, seed=[3, 4, 5], cache=False, **kw)  # the uncached reference
+    assert generate_batch(m, codec, prompts, 12, seed=7) == [
+        generate(m, codec, p, 12, seed=7 + b) for b, p in enumerate(prompts)
+    ]
+
+
+def test_greedy_generation_is_deterministic():
+    m, codec = build(**MODES["moe"]), ByteCodec()
+    runs = {generate(m, codec, "def main():", 40, temperature=0, stop=()) for _ in range(3)}
+    assert len(runs) == 1 and len(next(iter(runs))) > 0
+
+
+def test_a_boundary_model_falls_back_to_the_exact_recompute():
+    m, codec = build(boundary=dict(enabled=True, mode="causal_fixed")), ByteCodec()
+    assert not can_cache(m) and can_cache(build())
+    with pytest.raises(ValueError, match="cannot generate through a KV cache"):
+        m.new_cache(1, 8)
+    assert generate(m, codec, "def ", 10, seed=1) == generate(m, codec, "def ", 10, seed=1, cache=False)
