@@ -7,7 +7,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/attention.html.md"""
 # %% auto #0
 __all__ = ['ATTN_KERNELS', 'rope_frequencies', 'rope_tables', 'apply_rope', 'attention_kernel', 'attention_mask', 'mask_mod',
            'flex_functions', 'block_mask', 'varlen_offsets', 'AttnMask', 'build_attn_mask', 'varlen_window_size',
-           'attend', 'CacheMiss', 'KVSlot', 'KVCache', 'Attention', 'attention_kernels_used']
+           'attend', 'CacheMiss', 'KVSlot', 'KVCache', 'Attention', 'rope_dim', 'LatentAttention', 'build_attention',
+           'attention_kernels_used', 'attention_params', 'attention_flops_per_token', 'cached_layers',
+           'kv_bytes_per_token']
 
 # %% ../nbs/05d_attention.ipynb #a77e0004
 import functools
@@ -50,7 +52,7 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     "Rotate channel pairs (first half, second half) of `x` [B, H, T, hd] by the tables [B or 1, T, hd/2]."
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # fp32 at least (fp64 stays)
     cos, sin = cos[:, None], sin[:, None]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
@@ -292,8 +294,107 @@ class Attention(nn.Module):
         self.kernel = mask.kernel
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
+# %% ../nbs/05d_attention.ipynb #6643cd7d
+def rope_dim(cfg: ModelConfig) -> int:
+    "The width RoPE rotates in a head: `head_dim` for GQA, the decoupled `rope_head_dim` for MLA."
+    return cfg.attention.rope_head_dim if cfg.attention.kind == "mla" else cfg.attention.head_dim
+
+
+class LatentAttention(nn.Module):
+    "DeepSeek's multi-head latent attention: keys and values up-projected from a cached latent, a shared RoPE key."
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        a, d = cfg.attention, cfg.d_model
+        self.nh, self.hd, self.dr, self.r = a.n_heads, a.head_dim, a.rope_head_dim, a.kv_lora_rank
+        qd = self.nh * (self.hd + self.dr)
+        if a.q_lora_rank > 0:
+            self.wq_a = nn.Linear(d, a.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=cfg.norm_eps)
+            self.wq_b = nn.Linear(a.q_lora_rank, qd, bias=False)
+        else:
+            self.wq = nn.Linear(d, qd, bias=False)
+        self.wkv_a = nn.Linear(d, self.r + self.dr, bias=False)  # the latent and the shared RoPE key
+        self.kv_norm = nn.RMSNorm(self.r, eps=cfg.norm_eps)
+        self.wkv_b = nn.Linear(self.r, self.nh * 2 * self.hd, bias=False)  # per head: [no-RoPE key, value]
+        self.wo = nn.Linear(self.nh * self.hd, d, bias=False)
+        self.kernel, self.absorb = "", True  # absorb: decode steps score against the latent (see below)
+
+    def query(self, x):
+        "Per-head queries [B, nh, T, hd + dr] (no RoPE yet)."
+        B, T, _ = x.shape
+        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        return q.view(B, T, self.nh, self.hd + self.dr).transpose(1, 2)
+
+    def expand(self, c):
+        "Per-head no-RoPE keys and values [B, nh, S, hd] each from latents c [B, 1, S, r]."
+        B, _, S, _ = c.shape
+        return self.wkv_b(c[:, 0]).view(B, S, self.nh, 2 * self.hd).transpose(1, 2).chunk(2, dim=-1)
+
+# %% ../nbs/05d_attention.ipynb #1cf8e233
+@patch
+def forward(self: LatentAttention, x, cos, sin, mask=None, kv: KVSlot = None):
+    B, T, _ = x.shape
+    q_nope, q_rope = self.query(x).split([self.hd, self.dr], dim=-1)
+    c, k_rope = self.wkv_a(x).split([self.r, self.dr], dim=-1)
+    c, k_rope = self.kv_norm(c)[:, None], apply_rope(k_rope[:, None], cos, sin)  # [B, 1, T, r], [B, 1, T, dr]
+    q_rope = apply_rope(q_rope, cos, sin)
+    if kv is not None:  # the cache holds the latent and the RoPE key only
+        c, k_rope = kv.update(c, k_rope)
+    mask = mask if isinstance(mask, AttnMask) else AttnMask("sdpa", dense=mask)
+    self.kernel = mask.kernel
+    scale = (self.hd + self.dr) ** -0.5
+    if self.absorb and kv is not None and kv.cache.t > 0:  # a decode step: score against the latents
+        w_uk, w_uv = self.wkv_b.weight.view(self.nh, 2 * self.hd, self.r).split(self.hd, dim=1)  # [nh, hd, r]
+        q = torch.cat([q_nope @ w_uk, q_rope], -1)  # [B, nh, T, r + dr]
+        k = torch.cat([c, k_rope], -1)  # [B, 1, S, r + dr]
+        o = F.scaled_dot_product_attention(q, k, c, attn_mask=mask.dense, scale=scale, enable_gqa=True)
+        y = o @ w_uv.mT  # [B, nh, T, hd]
+    else:
+        k_nope, v = self.expand(c)
+        k = torch.cat([k_nope, k_rope.expand(-1, self.nh, -1, -1)], -1)
+        y = attend(torch.cat([q_nope, q_rope], -1), k, v, mask)  # the default scale: 1/sqrt(hd + dr)
+    return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+def build_attention(cfg: ModelConfig) -> nn.Module:
+    "The attention layer `model.attention.kind` names: `Attention` (gqa) or `LatentAttention` (mla)."
+    return LatentAttention(cfg) if cfg.attention.kind == "mla" else Attention(cfg)
+
 
 def attention_kernels_used(model: nn.Module) -> str:
     "The kernels `model`'s attention layers ran on their last call, joined by '+' (e.g. 'flex', 'flex+sdpa')."
-    used = {m.kernel for m in model.modules() if isinstance(m, Attention)}
+    used = {m.kernel for m in model.modules() if isinstance(m, (Attention, LatentAttention))}
     return "+".join(k for k in ATTN_KERNELS if k in used)
+
+# %% ../nbs/05d_attention.ipynb #1817026a
+def attention_params(cfg: ModelConfig) -> int:
+    "Parameters of one attention layer of `cfg` (GQA's four projections, or MLA's projections and norms)."
+    a, d = cfg.attention, cfg.d_model
+    if a.kind != "mla":
+        return d * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
+    qd = a.n_heads * (a.head_dim + a.rope_head_dim)
+    q = d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * qd if a.q_lora_rank > 0 else d * qd
+    kv = d * (a.kv_lora_rank + a.rope_head_dim) + a.kv_lora_rank + a.kv_lora_rank * a.n_heads * 2 * a.head_dim
+    return q + kv + a.n_heads * a.head_dim * d
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    "Training FLOPs per token of one layer's scores and weighted values over `seq_len` keys (3 x forward)."
+    a = cfg.attention
+    key = a.head_dim + (a.rope_head_dim if a.kind == "mla" else 0)
+    return 3 * 2 * a.n_heads * (key + a.head_dim) * seq_len
+
+
+def cached_layers(cfg: ModelConfig) -> int:
+    "Attention layers whose keys a generated position stores: the recurrent core once per loop, the byte layers too."
+    r, b = cfg.recurrence, cfg.boundary
+    n = cfg.n_layers + (r.n_loops - 1) * r.n_core if r.enabled else cfg.n_layers
+    return n + (2 * b.n_byte_layers if b.enabled else 0)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
+    "KV-cache bytes per position over the whole model (bf16 values by default): K and V, or MLA's latent and RoPE key."
+    a = cfg.attention
+    per_layer = a.kv_lora_rank + a.rope_head_dim if a.kind == "mla" else 2 * a.n_kv_heads * a.head_dim
+    return per_layer * cached_layers(cfg) * bytes_per_value

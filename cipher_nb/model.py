@@ -18,16 +18,18 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from . import boundary as bd
+from .attention import ATTN_KERNELS as ATTN_KERNELS  # re-exported for older imports
 from cipher_nb.attention import (
-    Attention,
     CacheMiss,
-    KVCache,  # noqa: F401 (older imports read them here)
+    KVCache,
     attention_kernel,
-    attention_kernels_used,
+    build_attention,
     build_attn_mask,
+    rope_dim,
     rope_frequencies,
     rope_tables,
 )
+from .attention import attention_kernels_used as attention_kernels_used  # re-exported likewise
 from .config import ModelConfig, model_config
 from .moe import MoE, RoutedExperts, SwiGLU, compute_dtype, expert_width, resolve_moe_impl, route
 from .recurrence import ACTHalting, HaltingUnit, build_injection, inject_input
@@ -65,12 +67,12 @@ def ffn_output(ffn: nn.Module, x) -> torch.Tensor:
 
 # %% ../nbs/06_model.ipynb #671fd902
 class Block(nn.Module):
-    "Pre-norm transformer block: attention, then a dense SwiGLU or an MoE FFN."
+    "Pre-norm transformer block: attention (GQA or MLA), then a dense SwiGLU or an MoE FFN."
 
     def __init__(self, cfg: ModelConfig, moe: bool):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = build_attention(cfg)  # GQA or MLA
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = MoE(cfg) if moe else SwiGLU(cfg.d_model, cfg.dense_d_ff)
 
@@ -189,7 +191,7 @@ class CipherModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         inv, self.rope_scale = rope_frequencies(
-            cfg.attention.head_dim, cfg.attention.rope_base, cfg.attention.rope_scaling, cfg.attention.rope_orig_ctx
+            rope_dim(cfg), cfg.attention.rope_base, cfg.attention.rope_scaling, cfg.attention.rope_orig_ctx
         )
         self.register_buffer("inv_freq", inv, persistent=False)
         self.apply(self._init)

@@ -126,3 +126,69 @@ def test_a_boundary_model_falls_back_to_the_exact_recompute():
     with pytest.raises(ValueError, match="cannot generate through a KV cache"):
         m.new_cache(1, 8)
     assert generate(m, codec, "def ", 10, seed=1) == generate(m, codec, "def ", 10, seed=1, cache=False)
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 12])
+@torch.no_grad()
+def test_latent_attention_equals_transformers_deepseek_v3(q_lora_rank):
+    from transformers.models.deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from cipher_nb.attention import LatentAttention, rope_frequencies, rope_tables
+
+    cfg = model_config(
+        d_model=48,
+        attention=dict(kind="mla", n_heads=4, head_dim=8, kv_lora_rank=16, q_lora_rank=q_lora_rank, rope_head_dim=6),
+    )
+    a = cfg.attention
+    torch.manual_seed(0)
+    ours = LatentAttention(cfg).double()
+    for p in ours.parameters():  # norms away from 1 too, so that a misplaced norm weight shows
+        torch.nn.init.normal_(p, std=0.3)
+    hf_cfg = DeepseekV3Config(
+        hidden_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank or None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=6,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        rope_interleave=False,
+        attention_bias=False,
+        rms_norm_eps=cfg.norm_eps,
+    )
+    hf_cfg._attn_implementation = "sdpa"  # eager takes its softmax in float32
+    theirs = DeepseekV3Attention(hf_cfg, layer_idx=0).double()
+    names = dict(
+        q_proj="wq", q_a_proj="wq_a", q_a_layernorm="q_norm", q_b_proj="wq_b", kv_a_proj_with_mqa="wkv_a"
+    ) | dict(kv_a_layernorm="kv_norm", kv_b_proj="wkv_b", o_proj="wo")
+    for theirs_name, ours_name in names.items():
+        if getattr(theirs, theirs_name, None) is not None:
+            getattr(theirs, theirs_name).weight.copy_(getattr(ours, ours_name).weight)
+    for norm in ("q_a_layernorm", "kv_a_layernorm"):  # theirs normalises in float32 whatever the input: the same
+        if getattr(theirs, norm, None) is not None:  # RMSNorm in float64, so that 1e-12 can hold
+            w = getattr(theirs, norm).weight
+            setattr(theirs, norm, torch.nn.RMSNorm(w.shape[0], eps=cfg.norm_eps).double())
+            getattr(theirs, norm).weight.copy_(w)
+    B, T = 2, 11
+    x = torch.randn(B, T, 48, dtype=torch.float64)
+    inv, _ = rope_frequencies(a.rope_head_dim)
+    cos, sin = (t.double() for t in rope_tables(torch.arange(T)[None], inv))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    additive = torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(~causal, float("-inf"))
+    ref, _ = theirs(x, (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)), additive)
+    torch.testing.assert_close(ours(x, cos, sin), ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+@torch.no_grad()
+def test_mla_models_decode_exactly_through_the_cache(absorb):
+    m = build(attention=dict(kind="mla", kv_lora_rank=12, q_lora_rank=8, rope_head_dim=4, sliding_window=5))
+    for layer in m.modules():
+        if hasattr(layer, "absorb"):
+            layer.absorb = absorb
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 16))
+    got, _ = stepwise_logits(m, x, 4)
+    torch.testing.assert_close(got, full_logits(m, x, 4), rtol=0, atol=TOL)
