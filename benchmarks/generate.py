@@ -4,10 +4,12 @@
     OMP_NUM_THREADS=1 python benchmarks/generate.py            # 1,000 new ids after a 256-id prompt
     OMP_NUM_THREADS=1 python benchmarks/generate.py --new 200  # a quicker look
 
-Configs: `tiny-cpu` (the config defaults, the `cipher-train` default) and a recurrent byte model (tiny-cpu with a
-prelude, a core looped 3 times and a coda). Prints one line per config, `tiny-cpu: cached/uncached 12.3x`, with
-the ids/s of each and how many of the sampled ids agree (float32: the two paths round differently, so a long
-sample may part ways once a draw falls on a boundary)."""
+Configs: `tiny-cpu` (the config defaults, the `cipher-train` default), a recurrent byte model (tiny-cpu with a
+prelude, a core looped 3 times and a coda) and tiny-cpu with latent attention (MLA). Prints one line per config,
+`tiny-cpu: cached/uncached 12.3x`, with the ids/s of each and how many of the sampled ids agree (float32: the two
+paths round differently, so a long sample may part ways once a draw falls on a boundary); for MLA also its two
+decode forms, `absorb/expand` (the latent's up-projection folded into the query and output, or applied to every
+cached latent each step)."""
 
 import argparse
 import time
@@ -22,6 +24,7 @@ from cipher_nb.model import CipherModel
 CONFIGS = {
     "tiny-cpu": {},
     "tiny-cpu recurrent (1 + 2x3 + 1)": dict(n_layers=4, n_prelude=1, n_core=2, n_coda=1, n_loops=3),
+    "tiny-cpu mla": dict(attention=dict(kind="mla", n_heads=2, head_dim=64, kv_lora_rank=64, rope_head_dim=16)),
 }
 
 
@@ -53,6 +56,18 @@ def main():
             f"the first {same} of {len(a)} ids agree)",
             flush=True,
         )
+        if model.cfg.attention.kind == "mla":
+            speed = {}
+            for absorb in (True, False):
+                for layer in model.modules():
+                    if hasattr(layer, "absorb"):
+                        layer.absorb = absorb
+                speed[absorb] = ids_per_second(model, prompt, args.new, True)[0]
+            print(
+                f"{name} decode: absorb/expand {speed[True] / speed[False]:.2f}x  "
+                f"({speed[True]:.0f} vs {speed[False]:.0f} ids/s)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
