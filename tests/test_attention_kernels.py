@@ -10,11 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from cipher_nb.config import AttnKernel, model_config
-from cipher_nb.model import (
+from cipher_nb.attention import (
     ATTN_KERNELS,
     AttnMask,
-    CipherModel,
     attend,
     attention_kernel,
     attention_kernels_used,
@@ -23,6 +21,8 @@ from cipher_nb.model import (
     varlen_offsets,
     varlen_window_size,
 )
+from cipher_nb.config import AttnKernel, model_config
+from cipher_nb.model import CipherModel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU
