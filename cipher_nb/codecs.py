@@ -11,6 +11,7 @@ __all__ = ['SPECIALS', 'special_token', 'ByteCodec', 'byte_alphabet', 'Tokenizer
 # %% ../nbs/02a_codecs.ipynb #00ab0065
 import functools
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -195,8 +196,11 @@ def train_bpe(docs, vocab_size: int, path, min_frequency: int = 2) -> TokenizerC
     )
     texts = (d if isinstance(d, str) else _as_bytes(d).decode("utf-8", "replace") for d in docs)
     tok.train_from_iterator(texts, trainer)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, path)  # whole or absent: several nodes may train the same tokenizer onto shared storage
     return TokenizerCodec(path)
 
 # %% ../nbs/02a_codecs.ipynb #29d2da3b
