@@ -207,10 +207,11 @@ def gate_memory(rows: list, m: MonitorConfig) -> GateLine:
     if not means:
         return GateLine(name, None, "no engram/gate logged (model.engram off)", reads)
     low = min(means, key=means.get)
-    fig = ", ".join(f"{k.removeprefix('engram/').removesuffix('_gate')} {v:.3f}" for k, v in means.items())
+    short = {k: k.removeprefix("engram/").removesuffix("_gate") for k in means}  # layer1, or gate (the mean)
+    fig = ", ".join(f"{short[k]} {v:.3f}" for k, v in means.items())
     fig += f" (last quarter of the first {m.gate_steps} steps)"
     if means[low] < ENGRAM_MIN_GATE:
-        fig = f"{low} collapsed to {means[low]:.3g}: the layer ignores its memory; " + fig
+        fig = f"{short[low]} collapsed to {means[low]:.3g}: the layer ignores its memory; " + fig
     return GateLine(name, means[low] >= ENGRAM_MIN_GATE, fig, reads)
 
 # %% ../nbs/07a_gate.ipynb #ab8dff56
