@@ -19,6 +19,11 @@ Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `-
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
   dense+muon, moe+muon  dense / moe trained with optim.name=muon (Muon for the hidden matrices, AdamW for the rest)
   moe+muonx  moe+muon with the routed experts on Muon too, one matrix per expert (cipher_nb.optim.MUON_EXPERTS)
+  recurrent+act, +lti, +lora, +engram  the recurrent contender with one piece of the recurrent byte model on: ACT
+             halting, the stable LTI injection, per-loop LoRA (rank 4), Engram memory read by every core layer;
+             pieces combine (recurrent+act+engram)
+  moe+sp     the MoE with shared-projection experts (one shared SwiGLU of twice an expert's width, low-rank factors)
+  mla        the MoE with multi-head latent attention in place of grouped-query attention
 
 Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up, then
 timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round), on
@@ -56,7 +61,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))  # minimal_gpt, also when this file is loaded by path (the tests)
 BASELINE = "minimal-gpt"
-CONTENDERS = (BASELINE, "dense", "moe", "moe+bp", "recurrent", "dense+muon", "moe+muon", "moe+muonx")
+RECURRENT_PARTS = {  # the recurrent core's optional pieces, each a contender `recurrent+NAME` (or several: +act+lti)
+    "act": ["model.recurrence.halting=true"],
+    "lti": ["model.recurrence.injection=lti"],
+    "lora": ["model.recurrence.loop_lora_rank=4"],
+    "engram": None,  # the core's layers read the memory: built from the config in contender_overrides
+}
+CONTENDERS = (
+    *(BASELINE, "dense", "moe", "moe+bp", "recurrent", "dense+muon", "moe+muon", "moe+muonx"),
+    *(f"recurrent+{p}" for p in RECURRENT_PARTS),
+    *("moe+sp", "mla"),
+)
 DEFAULT_CONTENDERS = CONTENDERS[:5]  # the optimizer variants run when named
 REFS = (BASELINE, "dense")  # the per-seed differences the table reports
 
@@ -84,6 +99,18 @@ def contender_overrides(name: str, cfg) -> list:
         return ["model.boundary.enabled=true"]
     if name in ("dense+muon", "moe+muon", "moe+muonx"):
         return [*contender_overrides(name.split("+")[0], cfg), "optim.name=muon"]
+    if name == "moe+sp":  # shared-projection experts: one shared SwiGLU of twice an expert's width, rank-16 factors
+        return ["model.moe.kind=shared_projection", f"model.moe.shared_inter={2 * m.moe.expert_d_ff}"]
+    if name == "mla":  # latent attention in place of grouped-query attention, at the same head count and width
+        return ["model.attention.kind=mla"]
+    if name.startswith("recurrent+"):
+        out = contender_overrides("recurrent", cfg)
+        for part in name.split("+")[1:]:
+            if part not in RECURRENT_PARTS:
+                raise SystemExit(f"unknown recurrent part '{part}': choose from {', '.join(RECURRENT_PARTS)}")
+            core = list(range(1, m.n_layers - 1))
+            out += RECURRENT_PARTS[part] or [f"model.engram.layers=[{', '.join(map(str, core))}]"]
+        return out
     if name == "recurrent":
         if m.n_layers < 3:
             raise SystemExit(f"the recurrent contender needs model.n_layers >= 3 (got {m.n_layers})")
@@ -439,7 +466,7 @@ def main():
         return
     names = [n.strip() for n in a.contenders.split(",") if n.strip()]
     for n in names:
-        if n not in CONTENDERS:
+        if n not in CONTENDERS and not n.startswith("recurrent+"):  # recurrent parts combine: checked when built
             sys.exit(f"unknown contender '{n}': choose from {', '.join(CONTENDERS)}")
     costs = calibrate(a, names)
     ctext = cost_table(costs, a.budget, a.clock, a.threads)

@@ -6,7 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/gate.html.md"""
 
 # %% auto #0
 __all__ = ['GateLine', 'gate_loss_fell', 'gate_finite', 'gate_load', 'gate_router_learning', 'gate_overlap', 'gate_grad_norm',
-           'gate_utilisation', 'gate_halting', 'gate', 'gate_passed', 'format_gate', 'read_metrics', 'cipher_gate']
+           'gate_utilisation', 'gate_halting', 'gate_memory', 'gate', 'gate_passed', 'format_gate', 'read_metrics',
+           'cipher_gate']
 
 # %% ../nbs/07a_gate.ipynb #dd141fc0
 import json
@@ -19,7 +20,7 @@ from typing import NamedTuple
 from fastcore.script import CliError, call_parse
 
 from .config import Config, ConfigError, MonitorConfig, load_config
-from .monitor import HALT_COLLAPSE_FRAC, as_number, loss_keys, nonfinite
+from .monitor import ENGRAM_MIN_GATE, HALT_COLLAPSE_FRAC, as_number, loss_keys, nonfinite
 
 # %% ../nbs/07a_gate.ipynb #659215e8
 class GateLine(NamedTuple):
@@ -196,6 +197,23 @@ def gate_halting(rows: list, m: MonitorConfig) -> GateLine:
     fig = f"{first:.0%} halt at loop 1, {last:.0%} at the cap, last quarter"
     return GateLine(name, first < HALT_COLLAPSE_FRAC and last < HALT_COLLAPSE_FRAC, fig, reads)
 
+# %% ../nbs/07a_gate.ipynb #737185b4
+def gate_memory(rows: list, m: MonitorConfig) -> GateLine:
+    "The Engram memory is used: every layer's mean gate over the gate window is at least `ENGRAM_MIN_GATE`."
+    name, reads = f"Engram memory used (mean gate at least {ENGRAM_MIN_GATE:g} in every layer)", "engram/layerN_gate"
+    window = [r for r in rows if as_number(r.get("step")) is None or as_number(r.get("step")) <= m.gate_steps]
+    keys = sorted({k for r in window for k in r if re.fullmatch(r"engram/layer\d+_gate", k)}) or ["engram/gate"]
+    means = {k: _tail_mean(v) for k in keys if (v := [x for _, x in _points(window, k) if math.isfinite(x)])}
+    if not means:
+        return GateLine(name, None, "no engram/gate logged (model.engram off)", reads)
+    low = min(means, key=means.get)
+    short = {k: k.removeprefix("engram/").removesuffix("_gate") for k in means}  # layer1, or gate (the mean)
+    fig = ", ".join(f"{short[k]} {v:.3f}" for k, v in means.items())
+    fig += f" (last quarter of the first {m.gate_steps} steps)"
+    if means[low] < ENGRAM_MIN_GATE:
+        fig = f"{short[low]} collapsed to {means[low]:.3g}: the layer ignores its memory; " + fig
+    return GateLine(name, means[low] >= ENGRAM_MIN_GATE, fig, reads)
+
 # %% ../nbs/07a_gate.ipynb #ab8dff56
 def gate(rows: list, mcfg: MonitorConfig, populations=None) -> list:
     "The verification gate over a run's metric rows: one `GateLine` per criterion."
@@ -208,8 +226,8 @@ def gate(rows: list, mcfg: MonitorConfig, populations=None) -> list:
         gate_overlap(rows, mcfg, populations),
         gate_grad_norm(rows, mcfg),
     ]
-    halting = gate_halting(rows, mcfg)
-    return lines if halting.passed is None else lines + [halting]  # only runs that halt have the line
+    extra = [gate_halting(rows, mcfg), gate_memory(rows, mcfg)]
+    return lines + [g for g in extra if g.passed is not None]  # only runs that halt, or have Engram, have these
 
 
 def gate_passed(lines: list) -> bool:

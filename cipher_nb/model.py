@@ -31,6 +31,7 @@ from cipher_nb.attention import (
 )
 from .attention import attention_kernels_used as attention_kernels_used  # re-exported likewise
 from .config import ModelConfig, model_config
+from .engram import Engram, MemoryReads, ngram_windows, segment_ends, windows_at
 from .moe import MoE, RoutedExperts, SwiGLU, compute_dtype, expert_width, resolve_moe_impl, route
 from .recurrence import ACTHalting, HaltingUnit, build_injection, inject_input
 from .sizing import flops_per_token, param_counts
@@ -188,6 +189,8 @@ class CipherModel(nn.Module):
             self.byte_in = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.boundary.n_byte_layers)])
             self.boundary = bd.BoundaryPredictor(cfg)
             self.byte_out = nn.ModuleList([Block(cfg, moe=False) for _ in range(cfg.boundary.n_byte_layers)])
+        if cfg.engram.enabled:  # hashed n-gram memory added before these main layers; each layer hashes its own way
+            self.engram = nn.ModuleDict({str(i): Engram(cfg, seed=i) for i in sorted(set(cfg.engram.layers))})
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         inv, self.rope_scale = rope_frequencies(
@@ -210,10 +213,14 @@ class CipherModel(nn.Module):
         return self.embed.weight if self.head is None else self.head.weight
 
 # %% ../nbs/06_model.ipynb #a0a9c167
-def _run(blocks, x, cos, sin, mask, aux: dict, acc: LayerStats, offset: int, cache=None, loop: int = 0):
-    "Run `blocks` in order; add aux losses to `aux`, stats to `acc`; return x and (mean, token) router entropies."
+def _run(
+    blocks, x, cos, sin, mask, aux: dict, acc: LayerStats, offset: int, memory: MemoryReads = None, cache=None, loop=0
+):
+    "Run `blocks` in order (Engram `memory` added before its layers; `cache` keyed by layer and `loop`)."
     ents = []
     for i, blk in enumerate(blocks):
+        if memory is not None:
+            x = memory(offset + i, x)
         x, a, s = blk(x, cos, sin, mask, None if cache is None else cache.slot((offset + i, loop)))
         for k, v in a.items():
             aux[k] = aux.get(k, 0) + v
@@ -252,13 +259,14 @@ def _loop_stats(states: list, entropies: list) -> dict:
 
 # %% ../nbs/06_model.ipynb #61f8222d
 @patch
-def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats, n_loops=None, cache=None):
+def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats, n_loops=None, memory=None, cache=None):
     "The main blocks over tokens (or segments): plain, or prelude -> core x n_loops -> coda. Returns x and loop stats."
     cfg, r = self.cfg, self.cfg.recurrence
     if not r.enabled:
-        return _run(self.layers, x, cos, sin, mask, aux, acc, 0, cache)[0], {}
+        x, _ = _run(self.layers, x, cos, sin, mask, aux, acc, 0, memory, cache)
+        return x, memory.stats() if memory and cache is None else {}
     p, c = r.n_prelude, r.n_core
-    e, _ = _run(self.layers[:p], x, cos, sin, mask, aux, acc, 0, cache)
+    e, _ = _run(self.layers[:p], x, cos, sin, mask, aux, acc, 0, memory, cache)
     loops = _loop_count(cfg, self.training, n_loops)
     keep = loops if r.backprop_loops <= 0 else min(r.backprop_loops, loops)
     lora, act = getattr(self, "loop_lora", None), ACTHalting(r.halt_threshold) if r.halting else None
@@ -277,6 +285,7 @@ def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats,
                 aux if torch.is_grad_enabled() else {},
                 acc,
                 p,
+                memory,  # a core layer reads the memory on every loop, with the same ids
                 cache,
                 k,
             )
@@ -288,15 +297,27 @@ def main_stack(self: CipherModel, x, cos, sin, mask, aux: dict, acc: LayerStats,
         if act is not None and not torch.is_grad_enabled() and (not decoding or k + 1 >= cache.depth) and act.done:
             break  # evaluation: every token has halted (a decode step also fills every loop the cache holds)
     out = state if act is None else act.output.to(state.dtype)  # ACT: the halting-weighted mix of the loop states
-    x, _ = _run(self.layers[p + c :], out, cos, sin, mask, aux, acc, p + c, cache)
+    x, _ = _run(self.layers[p + c :], out, cos, sin, mask, aux, acc, p + c, memory, cache)
     if cache is not None:  # generation: no statistics; the prompt sets how many loops every position keeps
         cache.depth = len(states) if not decoding else cache.depth
         return x, {}
-    stats = _loop_stats(states, entropies)
+    stats = {**_loop_stats(states, entropies), **(memory.stats() if memory else {})}
     if act is not None:
         aux["ponder"] = r.ponder_weight * act.ponder_cost()
         stats.update(act.stats(len(states)))
     return x, stats
+
+# %% ../nbs/06_model.ipynb #0820108d
+@patch
+def engram_reads(self: CipherModel, input_ids, doc_ids=None, seg=None) -> MemoryReads:
+    "This forward's `MemoryReads` (None without Engram): the n-grams ending at each token, or at each segment's end."
+    if not hasattr(self, "engram"):
+        return None
+    windows = ngram_windows(input_ids, self.cfg.engram.max_ngram, doc_ids)  # [B, T, max_ngram]
+    if seg is None:
+        return MemoryReads(self.engram, windows)
+    ends = segment_ends(seg.seg_ids, seg.n_segments)  # [B, S]
+    return MemoryReads(self.engram, windows_at(windows, ends), seg.seg_valid)
 
 # %% ../nbs/06_model.ipynb #685cece5
 def _positions(B: int, T: int, position_ids, device):
@@ -318,7 +339,7 @@ def forward(
     kernel = attention_kernel(cfg.attention.impl, x.device, doc_ids is not None or window > 0, grad)
     mask = build_attn_mask(kernel, T, doc_ids, window, B=B, device=x.device)  # once, shared by every layer
     if not cfg.boundary.enabled:
-        x, stats = self.main_stack(x, cos, sin, mask, aux, acc, n_loops)
+        x, stats = self.main_stack(x, cos, sin, mask, aux, acc, n_loops, self.engram_reads(input_ids, doc_ids))
     else:
         x, _ = _run(self.byte_in, x, cos, sin, mask, aux, acc, 0)
         seg = self.boundary(x, doc_ids=doc_ids, mode=bp_mode)
@@ -327,7 +348,8 @@ def forward(
         scos, ssin = rope_tables(torch.arange(S, device=x.device)[None].expand(B, S), self.inv_freq, self.rope_scale)
         skernel = attention_kernel(cfg.attention.impl, x.device, True, grad)
         smask = build_attn_mask(skernel, S, seg_doc, window, valid=seg_valid)
-        seg_out, stats = self.main_stack(seg_h, scos, ssin, smask, aux, acc, n_loops)
+        memory = self.engram_reads(input_ids, doc_ids, seg)
+        seg_out, stats = self.main_stack(seg_h, scos, ssin, smask, aux, acc, n_loops, memory)
         x = x + bd.upsample(seg_out, seg, self.boundary.null)
         x, _ = _run(self.byte_out, x, cos, sin, mask, aux, acc, 0)
         aux["bp"] = bd.bp_loss(seg, cfg)
@@ -370,6 +392,6 @@ def step(self: CipherModel, input_ids, cache: KVCache, n_loops=None) -> torch.Te
     kernel = attention_kernel(self.cfg.attention.impl, x.device, cache.pad is not None or cache.window > 0)
     pos, mask = cache.begin(T, kernel)
     cos, sin = rope_tables(pos, self.inv_freq, self.rope_scale)
-    x, _ = self.main_stack(x, cos, sin, mask, {}, LayerStats(), n_loops, cache)
+    x, _ = self.main_stack(x, cos, sin, mask, {}, LayerStats(), n_loops, cache=cache)
     cache.end(T)
     return F.linear(self.norm(x), self.output_weight)

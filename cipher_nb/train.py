@@ -9,7 +9,7 @@ __all__ = ['NO_HELDOUT', 'BUDGET_MAX_STEPS', 'EXIT_FAILED', 'EXIT_USAGE', 'EXIT_
            'TensorBoardCallback', 'WandbCallback', 'logger_callbacks', 'stage_hooks', 'init_distributed',
            'resume_source', 'check_start', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
            'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'claim_run_dir', 'one_line_warning', 'exit_with',
-           'smaller_batch', 'oom_advice', 'shutdown_distributed', 'cipher_train']
+           'smaller_batch', 'oom_advice', 'shutdown_distributed', 'needs_tokenizer', 'cipher_train']
 
 # %% ../nbs/11_train.ipynb #c0aa1c89
 import argparse
@@ -30,7 +30,7 @@ from fastcore.script import call_parse
 from . import checkpoint as ck
 from .callbacks import Callback
 from .checkpointer import Checkpointer, checkpoint_meta, load_weights, restore_training_state, training_state
-from .codecs import build_codec
+from .codecs import build_codec, tokenizer_command
 from .config import Config, ConfigError, load_config, save_config
 from .core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
 from .curriculum import Curriculum
@@ -455,6 +455,19 @@ def shutdown_distributed(clean: bool = True):
     dist.destroy_process_group()
     gc.collect()
 
+# %% ../nbs/11_train.ipynb #b31d6bc7
+def needs_tokenizer(cfg: Config, config: str = None, overrides=()) -> str:
+    "The refusal of a token-level config without `data.tokenizer`: the `cipher-tokenizer` command that makes one."
+    out = (
+        Path(cfg.training.out_dir)
+        / "tokenizers"
+        / f"{Path(config).stem if config else 'default'}-{cfg.model.vocab}.json"
+    )
+    return (
+        "data.codec is 'tokenizer' but data.tokenizer is empty: train one on this config's data with "
+        f"`{tokenizer_command(config, overrides, out)}`, then add data.tokenizer={out}"
+    )
+
 # %% ../nbs/11_train.ipynb #b9f6b0f1
 @call_parse(pos=["config"])
 def cipher_train(
@@ -486,6 +499,8 @@ def cipher_train(
             cfg, run_dir = resolve_run(
                 config, overrides, out, max_steps, resume, init, stage, precision, device, mock_data, time_budget
             )
+            if cfg.data.codec == "tokenizer" and not cfg.data.tokenizer:
+                raise ConfigError(needs_tokenizer(cfg, config, overrides))
             if not resume and dist_env().is_main:
                 claim_run_dir(run_dir, overwrite)
             trainer = build_trainer(cfg, run_dir, resume=resume, progress=not quiet, callbacks=faults)

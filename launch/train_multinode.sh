@@ -19,6 +19,8 @@ need JOB_ID "an id shared by the nodes of this job (also the run name)"; need SH
 NPROC="${NPROC:-8}"; MASTER_PORT="${MASTER_PORT:-29500}"; MAX_RESTARTS="${MAX_RESTARTS:-3}"
 RUN_NAME="${RUN_NAME:-$JOB_ID}"; PERSIST="${PERSIST:-$SHARED/persist}"; OUT="$SHARED/runs/$RUN_NAME"
 SETTINGS=("$@" "training.persistent_dir=$PERSIST" "training.run_name=$RUN_NAME")
+TOKENIZER="$(tokenizer_setting "$CONFIG" "$PERSIST" "$@")"  # token-level presets: train the tokenizer once
+if [ -n "$TOKENIZER" ]; then SETTINGS+=("$TOKENIZER"); fi
 read -r -a EXTRA <<< "${TRAIN_ARGS:-}"
 # Each restart needs a fresh store for the workers' process group. torchrun's default shares the rendezvous store
 # and separates attempts by a restart count that each node keeps for itself, so after a lost rank the nodes can

@@ -15,6 +15,8 @@ NPROC="${NPROC:-8}"
 RUN_NAME="${RUN_NAME:-$(basename "$CONFIG" .yaml)-$(date +%Y%m%d-%H%M%S)}"
 OUT="${OUT:-runs/$RUN_NAME}"
 SETTINGS=("$@" "training.persistent_dir=$PERSIST" "training.run_name=$RUN_NAME")
+TOKENIZER="$(tokenizer_setting "$CONFIG" "$PERSIST" "$@")"  # token-level presets: train the tokenizer once
+if [ -n "$TOKENIZER" ]; then SETTINGS+=("$TOKENIZER"); fi
 
 run "$PY" "$HERE/preflight.py" "$CONFIG" "${SETTINGS[@]}" --gpus "$NPROC" --out "$OUT" ${PREFLIGHT_ARGS:-}
 # the checkpointer mirrors RUN_DIR/checkpoints to PERSIST/<name of RUN_DIR>/checkpoints

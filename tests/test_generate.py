@@ -120,8 +120,13 @@ def test_greedy_generation_is_deterministic():
     assert len(runs) == 1 and len(next(iter(runs))) > 0
 
 
-def test_a_boundary_model_falls_back_to_the_exact_recompute():
-    m, codec = build(boundary=dict(enabled=True, mode="causal_fixed")), ByteCodec()
+@pytest.mark.parametrize(
+    "kw",
+    [dict(boundary=dict(enabled=True, mode="causal_fixed")), dict(engram=dict(layers=[1], table_size=61, dim=16))],
+    ids=["boundary", "engram"],
+)
+def test_models_the_cache_cannot_serve_fall_back_to_the_exact_recompute(kw):
+    m, codec = build(**kw), ByteCodec()
     assert not can_cache(m) and can_cache(build())
     with pytest.raises(ValueError, match="cannot generate through a KV cache"):
         m.new_cache(1, 8)
