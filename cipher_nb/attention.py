@@ -1,4 +1,4 @@
-"""Rotary position embedding (with YaRN scaling), the attention kernels (SDPA, FlexAttention, flash varlen) and their masks, and grouped-query attention.
+"""Rotary position embedding (with YaRN scaling), the attention kernels (SDPA, FlexAttention, flash varlen) and their masks, grouped-query and multi-head latent attention, and the KV cache generation reads.
 
 Docs: https://cipher-nb.github.io/cipher_nb/attention.html.md"""
 

@@ -1,4 +1,4 @@
-"""Bits per byte on held-out text (byte and token models alike, through the trainer's one formula), zero-shot multiple choice by continuation likelihood (PIQA's format), sampling with temperature, top-k and top-p, and loading any export or checkpoint to run them.
+"""Bits per byte on held-out text (byte and token models alike, through the trainer's one formula), zero-shot multiple choice by continuation likelihood (PIQA's format), sampling with temperature, top-k and top-p (through a KV cache, in batches, streamed), and loading any export or checkpoint to run them.
 
 Docs: https://cipher-nb.github.io/cipher_nb/evaluate.html.md"""
 

@@ -1,4 +1,4 @@
-"""Grouped-query attention with RoPE, pre-norm blocks with a dense or MoE FFN, an optional recurrent-depth core, byte-level and token-level modes, and a cross-entropy that never holds the whole logits matrix.
+"""Pre-norm blocks of attention (GQA or MLA) and a dense or MoE FFN, an optional recurrent-depth core, byte-level and token-level modes, a cross-entropy that never holds the whole logits matrix, and generation steps through a KV cache.
 
 Docs: https://cipher-nb.github.io/cipher_nb/model.html.md"""
 
