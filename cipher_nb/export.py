@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from cipher_nb.checkpoint import (
     FORMAT,
     META,
     CheckpointError,
+    CheckpointWarning,
     dist_info,
     fsync_dir,
     install_dir,
@@ -101,8 +103,9 @@ def write_codec_files(out_dir, config: dict, codec: dict) -> list:
         return [CODEC_FILE]
     if kind == "tokenizer":
         src = codec.get("tokenizer") or (config.get("data") or {}).get("tokenizer")
-        if not src or not Path(src).is_file():
-            raise CheckpointError(f"the run's tokenizer {src!r} is missing: an export must carry it (data.tokenizer)")
+        if not src or not Path(src).is_file():  # a run always has it (build_codec needs it); a bare call may not
+            warnings.warn(f"tokenizer {src!r} not found: the export carries no tokenizer.json", CheckpointWarning)
+            return []
         write_durable(out_dir / TOKENIZER_FILE, TokenizerCodec(src).tok.to_str().encode())  # with the added specials
         return [TOKENIZER_FILE]
     return []  # a codec the export does not know: only its description in config.json
@@ -319,10 +322,10 @@ def export_model(
     if problems:
         shutil.rmtree(tmp)
         raise CheckpointError(f"export to {out_dir} failed its round trip ({len(problems)} tensors): {problems[:5]}")
-    hashes = {f: file_sha256(tmp / f) for f in (EXPORT_WEIGHTS, EXPORT_CONFIG, META, *extras)}
+    hashes = {f: file_sha256(tmp / f) for f in (EXPORT_WEIGHTS, EXPORT_CONFIG, META)}  # what the run record keeps
     fsync_dir(tmp)
     old = install_dir(tmp, out_dir)
-    write_marker(out_dir, sha256=hashes, tensors_checked=len(sd))
+    write_marker(out_dir, sha256=hashes, extras={f: file_sha256(out_dir / f) for f in extras}, tensors_checked=len(sd))
     if old.exists():
         shutil.rmtree(old)
     return hashes
