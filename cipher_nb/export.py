@@ -137,8 +137,8 @@ def _ffn_line(m: dict) -> str:
         return f"dense SwiGLU, width {m.get('d_ff') or 'auto'}"
     return (
         f"MoE: {e['n_routed']} routed experts of width {e.get('expert_d_ff')}, top-{e.get('top_k')} by "
-        f"{e.get('router_score')} scores, {e.get('n_shared', 0)} shared, the first {e.get('n_dense_layers', 0)} "
-        f"layer(s) dense ({e.get('kind', 'routed')} experts)"
+        f"{e.get('router_score')} scores, {e.get('n_shared', 0)} shared ({e.get('kind', 'routed')} experts); "
+        f"dense first layers: {e.get('n_dense_layers', 0)}"
     )
 
 
@@ -170,9 +170,12 @@ def _card_data(config: dict, record: dict) -> list:
     out = ["## Data", "", f"- source: {src.strip(', ') or 'unknown'}"]
     if record.get("data_fingerprint"):
         out.append(f"- data fingerprint: `{record['data_fingerprint']}`")
-    if rd:
-        pinned = "pinned to commits" if rd.get("pinned") else f"not pinned ({', '.join(rd.get('unpinned', []))})"
-        out.append(f"- hub sources {pinned}; held-out documents: {rd.get('heldout', '?')}")
+    if rd.get("unpinned"):
+        out.append(
+            f"- hub sources not pinned to a commit: {', '.join(rd['unpinned'])} (the fingerprint cannot pin them)"
+        )
+    if rd.get("heldout"):
+        out.append(f"- held-out documents: {rd['heldout']}")
     return out + [""]
 
 # %% ../nbs/09c_export.ipynb #8b4037c5
@@ -204,7 +207,8 @@ def _card_training(config: dict, record: dict) -> list:
     if record.get("effective_batch"):
         out.append(f"- effective batch: {record['effective_batch']}")
     if record.get("precision"):
-        out.append(f"- precision: {record['precision']}")
+        p = record["precision"]
+        out.append(f"- precision: {p.get('mode') or p.get('requested')}")
     if git:
         out.append(f"- cipher_nb commit `{git.get('commit')}`{' (with local changes)' if git.get('dirty') else ''}")
     if record.get("config_hash"):
