@@ -9,6 +9,7 @@ __all__ = ['HF_ARCHITECTURES', 'FORMATS', 'UnmappableConfig', 'hf_architecture',
            'hf_tokenizer', 'export_hf', 'hf_logits_gap', 'check_hf_export', 'cipher_export']
 
 # %% ../nbs/12b_hf_export.ipynb #16c06d7f
+import copy
 import json
 import operator
 import shutil
@@ -195,10 +196,11 @@ def export_hf(model, codec, out_dir, chat_template: str = None, check: bool = Tr
 
     m = model.cfg
     arch = hf_architecture(m)
-    hf = getattr(transformers, arch)(hf_config(m, codec.specials, arch)).eval()
-    sd = hf_state_dict(model.state_dict(), m, arch)
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and m.tie_embeddings)]
+    with torch.device("meta"):  # no random init of a full-size model: every tensor is assigned below
+        hf = getattr(transformers, arch)(hf_config(m, codec.specials, arch))
+    unexpected = hf.load_state_dict(hf_state_dict(model.state_dict(), m, arch), strict=False, assign=True)[1]
+    hf.tie_weights()  # the head is the embedding when tied
+    missing = [n for n, p in hf.named_parameters() if p.is_meta]
     if missing or unexpected:
         raise RuntimeError(f"{arch}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
     out_dir = Path(out_dir)
@@ -218,7 +220,10 @@ def hf_logits_gap(model, out_dir, ids) -> float:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-    ours = model.float().eval()(ids).logits
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters())
+    ref, mode = (model if fp32 else copy.deepcopy(model).float()), model.training
+    ours = ref.eval()(ids).logits
+    model.train(mode)
     return float((hf(ids).logits - ours).abs().max())
 
 

@@ -167,3 +167,13 @@ def test_the_check_fails_on_a_checkpoint_that_differs(tmp_path):
         model.layers[1].ffn.router.weight[0] += 1.0  # another routing than the one written
     with pytest.raises(RuntimeError, match="differ from cipher_nb's"):
         check_hf_export(model, tmp_path / "hf")
+
+
+def test_a_bf16_model_exports_and_is_left_as_it_was(tmp_path):
+    from cipher_nb.hf_export import export_hf
+
+    cfg = load_config(None, SMALL)
+    torch.manual_seed(4)
+    model = CipherModel(cfg.model).to(torch.bfloat16).train()
+    assert export_hf(model, ByteCodec(), tmp_path / "hf") == "Glm4MoeForCausalLM"  # checked in fp32 against a copy
+    assert next(model.parameters()).dtype == torch.bfloat16 and model.training
