@@ -177,3 +177,17 @@ def test_a_bf16_model_exports_and_is_left_as_it_was(tmp_path):
     model = CipherModel(cfg.model).to(torch.bfloat16).train()
     assert export_hf(model, ByteCodec(), tmp_path / "hf") == "Glm4MoeForCausalLM"  # checked in fp32 against a copy
     assert next(model.parameters()).dtype == torch.bfloat16 and model.training
+
+
+def test_an_sft_export_carries_a_chat_template_that_renders_the_trained_ids(tmp_path):
+    from cipher_nb.sft import render_conversation
+
+    cfg = load_config(None, [*SMALL, "stage.name=sft"])
+    model, codec = CipherModel(cfg.model).eval(), ByteCodec()
+    export_model(model, tmp_path / "final", config=cfg.to_dict(), codec=dict(kind="bytes"))
+    assert (tmp_path / "final" / "chat_template.jinja").is_file()
+    cipher_export(str(tmp_path / "final"), str(tmp_path / "hf"))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    msgs = [dict(role="system", content="Be brief."), dict(role="user", content="2 + 2?")]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ids == render_conversation(msgs, codec, generation_prompt=True)[0].tolist()
