@@ -49,6 +49,7 @@ def test_resumed_adamw8bit_fsdp_run_ends_bit_identical(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     meta = json.loads((a / "checkpoints/step_0000002/meta.json").read_text())
     assert meta["optimizer"] == "adamw8bit-torchao"  # the implementation that ran, in the checkpoint's meta
+    assert json.loads((a / "record.json").read_text())["optimizer"]["kind"] == "adamw8bit-torchao"  # and the record
     r = train(b, "training.background_save=true", resume=a / "checkpoints/step_0000002")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "resumed from" in r.stderr and "at step 2" in r.stderr, r.stderr[-2000:]
