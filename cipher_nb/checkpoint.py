@@ -11,7 +11,7 @@ __all__ = ['MARKER', 'META', 'STATE', 'SHARDED', 'EXPORT_WEIGHTS', 'EXPORT_CONFI
            'check_plain', 'write_marker', 'utc_now', 'verify_checkpoint', 'split_tensors', 'merge_tensors', 'dcp_save',
            'dcp_load', 'dist_info', 'has_dtensor', 'install_dir', 'fresh_tmp_dir', 'commit_checkpoint',
            'save_checkpoint', 'read_meta', 'load_checkpoint', 'CheckpointWarning', 'latest_checkpoint',
-           'prune_checkpoints', 'host_copy', 'copy_checkpoint', 'load_exported']
+           'prune_checkpoints', 'is_subclass_state', 'host_subclass', 'host_copy', 'copy_checkpoint', 'load_exported']
 
 # %% ../nbs/09_checkpoint.ipynb #b09f311a
 import io
@@ -545,6 +545,29 @@ def prune_checkpoints(root, keep_last: int) -> list:
         shutil.rmtree(p, ignore_errors=True)
     return sorted(gone)
 
+# %% ../nbs/09_checkpoint.ipynb #b5af0697
+def is_subclass_state(t) -> bool:
+    "Whether `t` (or a DTensor's shard) is a tensor subclass built of plain tensors, like torchao's `OptimState8bit`."
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t.to_local() if isinstance(t, DTensor) else t)
+
+
+def host_subclass(t):
+    "A host copy of a tensor subclass (or a DTensor of one): the same class rebuilt from copies of its inner tensors."
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(t, DTensor):  # DTensor.from_local would move the copy back to the mesh's device
+        return DTensor(host_subclass(t.to_local()), t._spec, requires_grad=False)
+    names, ctx = t.__tensor_flatten__()
+    inner = {}
+    for n in names:
+        x = getattr(t, n)
+        inner[n] = host_subclass(x) if is_traceable_wrapper_subclass(x) else x.detach().to("cpu", copy=True)
+    return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+
 # %% ../nbs/09_checkpoint.ipynb #877b7368
 def host_copy(tree, cache: dict | None = None):
     "A copy of `tree` in host memory (pinned for GPU tensors), reusing `cache`'s buffers; shared tensors stay shared."
@@ -567,7 +590,7 @@ def host_copy(tree, cache: dict | None = None):
 
     def walk(x, path):
         if isinstance(x, torch.Tensor):
-            return copy(x, path)
+            return host_subclass(x) if is_subclass_state(x) else copy(x, path)
         if isinstance(x, dict):
             return {k: walk(v, f"{path}/{k}") for k, v in x.items()}
         if isinstance(x, (list, tuple)):

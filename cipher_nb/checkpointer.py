@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/checkpointer.html.md"""
 
 # %% auto #0
 __all__ = ['Checkpointer', 'is_sharded', 'gather_ranks', 'training_state', 'checkpoint_meta', 'restore_training_state',
-           'load_weights', 'checkpoint_group']
+           'load_weights', 'checkpoint_group', 'Staged', 'stage_shards']
 
 # %% ../nbs/09a_checkpointer.ipynb #4be0bee2
 import io
@@ -37,7 +37,9 @@ from cipher_nb.checkpoint import (
     fresh_tmp_dir,
     has_dtensor,
     host_copy,
+    host_subclass,
     is_complete,
+    is_subclass_state,
     load_checkpoint,
     load_exported,
     prune_checkpoints,
@@ -295,6 +297,28 @@ def checkpoint_group():
 
     return dist.new_group(backend="gloo")
 
+# %% ../nbs/09a_checkpointer.ipynb #de8a7389
+class Staged:
+    "DCP's async stager for a state already copied to host memory: `async_save` writes it as it is."
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def stage_shards(flat: dict, writer) -> dict:
+    "A host copy of `flat`: tensor-subclass entries (torchao's 8-bit state) by `host_subclass`, the rest by `writer`."
+    subclass = {k for k, t in flat.items() if is_subclass_state(t)}
+    plain = writer.stage({k: t for k, t in flat.items() if k not in subclass})
+    return {k: host_subclass(t) if k in subclass else plain[k] for k, t in flat.items()}
+
 # %% ../nbs/09a_checkpointer.ipynb #53f60e7a
 @patch
 def _save_sharded_async(self: Checkpointer, path: Path, state: dict, meta: dict, prune: bool):
@@ -315,8 +339,14 @@ def _save_sharded_async(self: Checkpointer, path: Path, state: dict, meta: dict,
     if layout not in self._writers:
         gpu = any(t.device.type == "cuda" for t in flat.values())
         self._writers[layout] = dcp.FileSystemWriter(str(tmp / SHARDED), sync_files=True, cache_staged_state_dict=gpu)
-    future = dcp.async_save(  # returns once this rank's shards are copied to host memory
-        flat, checkpoint_id=str(tmp / SHARDED), storage_writer=self._writers[layout], process_group=self._group
+    writer = self._writers[layout]
+    staged = stage_shards(flat, writer)  # the save call waits for this copy to host memory, not for the disk
+    future = dcp.async_save(
+        staged,
+        checkpoint_id=str(tmp / SHARDED),
+        storage_writer=writer,
+        async_stager=Staged(),
+        process_group=self._group,
     )
     rest = host_copy({k: v for k, v in state.items() if k not in keys}, self._staging) if rank == 0 else None
     args = (future, path, tmp, rest, skeleton, meta, prune)

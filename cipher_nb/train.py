@@ -253,6 +253,7 @@ def build_trainer(
     )
     record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
     record.kernels = dict(parallel_info)  # the trainer replaces it with what ran, after the first step
+    record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
     lengths = torch.as_tensor(codec.byte_lengths)
     trainer = Trainer(
         cfg,

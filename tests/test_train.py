@@ -68,6 +68,7 @@ def test_default_run_writes_the_run_directory(tmp_path):
     # what ran, read from the model after its first step
     kernels = {"compiled": False, "activation_checkpoint": "none", "attention": "sdpa", "moe": "grouped"}
     assert rec["kernels"] == kernels, rec["kernels"]
+    assert rec["optimizer"]["kind"] == "adamw"
 
 
 def test_sigterm_saves_and_resume_auto_finishes(tmp_path):
