@@ -8,8 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/attention.html.md"""
 __all__ = ['ATTN_KERNELS', 'rope_frequencies', 'rope_tables', 'apply_rope', 'attention_kernel', 'attention_mask', 'mask_mod',
            'flex_functions', 'block_mask', 'varlen_offsets', 'AttnMask', 'build_attn_mask', 'varlen_window_size',
            'attend', 'CacheMiss', 'KVSlot', 'KVCache', 'Attention', 'rope_dim', 'LatentAttention', 'build_attention',
-           'attention_kernels_used', 'attention_params', 'attention_flops_per_token', 'cached_layers',
-           'kv_bytes_per_token']
+           'attention_kernels_used']
 
 # %% ../nbs/05d_attention.ipynb #a77e0004
 import functools
@@ -24,6 +23,7 @@ from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import ModelConfig
+from .sizing import attention_flops_per_token, attention_params, kv_bytes_per_token
 
 # %% ../nbs/05d_attention.ipynb #03b0c918
 def rope_frequencies(
@@ -366,35 +366,3 @@ def attention_kernels_used(model: nn.Module) -> str:
     "The kernels `model`'s attention layers ran on their last call, joined by '+' (e.g. 'flex', 'flex+sdpa')."
     used = {m.kernel for m in model.modules() if isinstance(m, (Attention, LatentAttention))}
     return "+".join(k for k in ATTN_KERNELS if k in used)
-
-# %% ../nbs/05d_attention.ipynb #1817026a
-def attention_params(cfg: ModelConfig) -> int:
-    "Parameters of one attention layer of `cfg` (GQA's four projections, or MLA's projections and norms)."
-    a, d = cfg.attention, cfg.d_model
-    if a.kind != "mla":
-        return d * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
-    qd = a.n_heads * (a.head_dim + a.rope_head_dim)
-    q = d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * qd if a.q_lora_rank > 0 else d * qd
-    kv = d * (a.kv_lora_rank + a.rope_head_dim) + a.kv_lora_rank + a.kv_lora_rank * a.n_heads * 2 * a.head_dim
-    return q + kv + a.n_heads * a.head_dim * d
-
-
-def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    "Training FLOPs per token of one layer's scores and weighted values over `seq_len` keys (3 x forward)."
-    a = cfg.attention
-    key = a.head_dim + (a.rope_head_dim if a.kind == "mla" else 0)
-    return 3 * 2 * a.n_heads * (key + a.head_dim) * seq_len
-
-
-def cached_layers(cfg: ModelConfig) -> int:
-    "Attention layers whose keys a generated position stores: the recurrent core once per loop, the byte layers too."
-    r, b = cfg.recurrence, cfg.boundary
-    n = cfg.n_layers + (r.n_loops - 1) * r.n_core if r.enabled else cfg.n_layers
-    return n + (2 * b.n_byte_layers if b.enabled else 0)
-
-
-def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
-    "KV-cache bytes per position over the whole model (bf16 values by default): K and V, or MLA's latent and RoPE key."
-    a = cfg.attention
-    per_layer = a.kv_lora_rank + a.rope_head_dim if a.kind == "mla" else 2 * a.n_kv_heads * a.head_dim
-    return per_layer * cached_layers(cfg) * bytes_per_value
