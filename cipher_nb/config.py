@@ -7,11 +7,11 @@ Docs: https://cipher-nb.github.io/cipher_nb/config.html.md"""
 # %% auto #0
 __all__ = ['RouterScore', 'MoEKernel', 'MoEImpl', 'AttnKernel', 'AttnImpl', 'ActCheckpoint', 'MoEKind', 'Injection', 'AttnKind',
            'CausalBPMode', 'BPMode', 'BPLoss', 'Source', 'Codec', 'Precision', 'FP8Recipe', 'Parallel', 'OptimName',
-           'Stage', 'SourceStage', 'SFTMask', 'LEGACY_KEYS', 'cosmetic', 'AttentionConfig', 'MoEConfig',
+           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'LEGACY_KEYS', 'cosmetic', 'AttentionConfig', 'MoEConfig',
            'RecurrenceConfig', 'EngramConfig', 'BoundaryConfig', 'ModelConfig', 'DataConfig', 'TrainConfig',
-           'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig', 'Config', 'ConfigError', 'upgrade_keys',
-           'build_section', 'config_from_dict', 'model_config', 'parse_duration', 'validate', 'apply_overrides',
-           'load_config', 'save_config', 'critical_dict', 'config_hash', 'critical_diff']
+           'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig', 'WandbConfig', 'LoggingConfig', 'Config',
+           'ConfigError', 'upgrade_keys', 'build_section', 'config_from_dict', 'model_config', 'parse_duration',
+           'validate', 'apply_overrides', 'load_config', 'save_config', 'critical_dict', 'config_hash', 'critical_diff']
 
 # %% ../nbs/01_config.ipynb #4220b6fb
 import copy
@@ -48,6 +48,7 @@ OptimName = Literal["adamw", "adamw8bit", "muon"]
 Stage = Literal["pretrain", "refinement", "sft"]
 SourceStage = Literal["", Stage]  # '' = not declared
 SFTMask = Literal["final", "all"]
+WandbMode = Literal["disabled", "offline", "online"]
 
 # %% ../nbs/01_config.ipynb #497b898a
 def cosmetic(default, **kw):
@@ -318,6 +319,24 @@ class SFTConfig:
     lora_dropout: float = 0.0
     lora_targets: list = _list("wq", "wk", "wv", "wo")
 
+
+@dataclass
+class WandbConfig:
+    "Weights & Biases: the run's metrics and resolved config, live (online) or written for a later `wandb sync`."
+
+    mode: WandbMode = cosmetic("disabled")
+    project: str = cosmetic("cipher_nb")
+    entity: str = cosmetic("")  # '' = the logged-in user's default
+    run_name: str = cosmetic("")  # '' = the run directory's name
+
+
+@dataclass
+class LoggingConfig:
+    "Where metrics go besides RUN/metrics.jsonl: Weights & Biases and TensorBoard."
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: bool = cosmetic(False)  # scalars under RUN/tensorboard
+
 # %% ../nbs/01_config.ipynb #8964df6d
 @dataclass
 class Config:
@@ -330,6 +349,7 @@ class Config:
     stage: StageConfig = field(default_factory=StageConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
