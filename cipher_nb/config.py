@@ -249,8 +249,6 @@ class TrainConfig:
     persistent_dir: str = cosmetic("")  # checkpoints go here too when set (a persistent volume)
     run_name: str = cosmetic("")
     background_save: bool = cosmetic(False)
-    tensorboard: bool = cosmetic(False)
-    wandb: bool = cosmetic(False)
 
 
 @dataclass
@@ -449,6 +447,14 @@ def upgrade_keys(d: dict | None) -> dict:
         if leaf in node:
             raise ConfigError(f"{old} and {new} are both given: keep only {new}")
         node[leaf] = val
+    t = out.get("training")
+    for k in ("tensorboard", "wandb") if isinstance(t, dict) else ():  # the loggers moved to their own section
+        if k in t:
+            v, log = t.pop(k), _node(out, ["logging"], "logging")
+            if k == "tensorboard":
+                log["tensorboard"] = v
+            else:
+                _node(log, ["wandb"], "logging.wandb")["mode"] = "offline" if v else "disabled"
     return out
 
 # %% ../nbs/01_config.ipynb #a48f9552

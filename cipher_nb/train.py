@@ -141,7 +141,15 @@ class WandbCallback(Callback):
         import wandb
 
         name, d = Path(run_dir).name, str(run_dir)
-        self.run = wandb.init(project="cipher_nb", name=name, dir=d, mode="offline", config=cfg.to_dict())
+        w = cfg.logging.wandb
+        self.run = wandb.init(
+            project=w.project,
+            entity=w.entity or None,
+            name=w.run_name or name,
+            dir=d,
+            mode=w.mode,
+            config=cfg.to_dict(),
+        )
 
     def on_log(self, trainer, row: dict):
         self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
@@ -151,16 +159,16 @@ class WandbCallback(Callback):
 
 
 def logger_callbacks(cfg: Config, run_dir, is_main: bool = True) -> list:
-    "The optional loggers `training.tensorboard` / `training.wandb` ask for (rank 0 only)."
-    out = []
+    "The optional loggers `logging.tensorboard` / `logging.wandb.mode` ask for (rank 0 only)."
+    out, wanted = [], dict(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb.mode != "disabled")
     for flag, cls, pkg in (("tensorboard", TensorBoardCallback, "tensorboard"), ("wandb", WandbCallback, "wandb")):
-        if not (is_main and getattr(cfg.training, flag)):
+        if not (is_main and wanted[flag]):
             continue
         try:
             out.append(cls(cfg, run_dir))
         except ImportError:
             warnings.warn(
-                f"training.{flag} is on but {pkg} is not installed: pip install {pkg} (metrics.jsonl is kept anyway)"
+                f"logging.{flag} is on but {pkg} is not installed: pip install {pkg} (metrics.jsonl is kept anyway)"
             )
     return out
 
