@@ -108,11 +108,13 @@ def test_token_level_softmax_moe_exports_to_mixtral_with_its_tokenizer(tmp_path)
     assert_same_model(model, tmp_path / "hf", enc)
 
 
-@pytest.mark.parametrize("q_lora_rank", [0, 12])
-def test_latent_attention_moe_exports_to_deepseek_v3(tmp_path, q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank, norm_eps", [(0, 1e-5), (12, 1e-3)])
+def test_latent_attention_moe_exports_to_deepseek_v3(tmp_path, q_lora_rank, norm_eps):
+    # sigmoid routing + bias, a shared expert, a dense first layer; weights large enough that a RoPE pair out of place
+    # shows, and norm_eps away from the 1e-6 transformers gives DeepSeek-V3's latent norms
     mla = ["model.attention.kind=mla", "model.attention.kv_lora_rank=16", "model.attention.rope_head_dim=8"]
-    overrides = [*SMALL, *mla, f"model.attention.q_lora_rank={q_lora_rank}", "model.moe.route_scale=2.5"]
-    cfg = load_config(None, overrides)  # sigmoid routing + bias, a shared expert, a dense first layer; norm_eps 1e-5
+    overrides = [*mla, f"model.attention.q_lora_rank={q_lora_rank}", f"model.norm_eps={norm_eps}"]
+    cfg = load_config(None, [*SMALL, *overrides, "model.moe.route_scale=2.5", "model.init_std=0.1"])
     codec = ByteCodec()
     torch.manual_seed(5 + q_lora_rank)
     ids = torch.as_tensor(codec.encode_doc(TEXT[:200]))[None]
