@@ -179,19 +179,22 @@ def latent_attention_tensors(sd: dict, m: ModelConfig, src: str, dst: str) -> di
     nh, hd, dr, r = a.n_heads, a.head_dim, a.rope_head_dim, a.kv_lora_rank
     rows, scale = interleaved_rope_rows(dr), (HF_LATENT_NORM_EPS / m.norm_eps) ** 0.5
 
+    def latent(w):  # scaled in fp32 at least: a bf16 product would round differently from the model's own weights
+        return w if scale == 1 else w.to(torch.promote_types(w.dtype, torch.float32)) * scale
+
     def query(w):  # [nh (hd + dr), in]: each head's RoPE rows reordered
         w = w.view(nh, hd + dr, -1)
         return torch.cat([w[:, :hd], w[:, hd:][:, rows]], 1).reshape(nh * (hd + dr), -1)
 
     wkv_a = sd[src + "wkv_a.weight"]  # [r + dr, d]: the latent, then the shared RoPE key
     out = {
-        dst + "kv_a_proj_with_mqa.weight": torch.cat([wkv_a[:r] * scale, wkv_a[r:][rows]]),
+        dst + "kv_a_proj_with_mqa.weight": torch.cat([latent(wkv_a[:r]), wkv_a[r:][rows].to(latent(wkv_a[:r]).dtype)]),
         dst + "kv_a_layernorm.weight": sd[src + "kv_norm.weight"],
         dst + "kv_b_proj.weight": sd[src + "wkv_b.weight"],  # per head [no-RoPE key, value], as DeepSeek's
         dst + "o_proj.weight": sd[src + "wo.weight"],
     }
     if a.q_lora_rank > 0:
-        out[dst + "q_a_proj.weight"] = sd[src + "wq_a.weight"] * scale
+        out[dst + "q_a_proj.weight"] = latent(sd[src + "wq_a.weight"])
         out[dst + "q_a_layernorm.weight"] = sd[src + "q_norm.weight"]
         out[dst + "q_b_proj.weight"] = query(sd[src + "wq_b.weight"])
     else:

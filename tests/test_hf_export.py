@@ -165,6 +165,7 @@ def test_dense_models_export_to_llama_or_mistral(tmp_path, overrides, arch):
             "model.moe.router_score",
         ),
         (["model.attention.kind=mla", "model.attention.sliding_window=16"], "model.attention.sliding_window"),
+        (["model.attention.kind=mla", "model.attention.rope_scaling=4"], "model.attention.rope_scaling"),
         (["model.attention.rope_scaling=4"], "model.attention.rope_scaling"),
         (["model.attention.sliding_window=16"], "model.attention.sliding_window"),
         (["model.moe.router_score=softmax", "model.moe.bias_balance=false"], "model.moe.n_shared"),
@@ -193,13 +194,20 @@ def test_the_check_fails_on_a_checkpoint_that_differs(tmp_path):
         check_hf_export(model, tmp_path / "hf")
 
 
-def test_a_bf16_model_exports_and_is_left_as_it_was(tmp_path):
+@pytest.mark.parametrize(
+    "overrides, arch",
+    [
+        ([], "Glm4MoeForCausalLM"),
+        (["model.attention.kind=mla", "model.attention.q_lora_rank=12"], "DeepseekV3ForCausalLM"),
+    ],
+)
+def test_a_bf16_model_exports_and_is_left_as_it_was(tmp_path, overrides, arch):
     from cipher_nb.hf_export import export_hf
 
-    cfg = load_config(None, SMALL)
+    cfg = load_config(None, [*SMALL, *overrides])
     torch.manual_seed(4)
     model = CipherModel(cfg.model).to(torch.bfloat16).train()
-    assert export_hf(model, ByteCodec(), tmp_path / "hf") == "Glm4MoeForCausalLM"  # checked in fp32 against a copy
+    assert export_hf(model, ByteCodec(), tmp_path / "hf") == arch  # checked in fp32 against a copy
     assert next(model.parameters()).dtype == torch.bfloat16 and model.training
 
 
