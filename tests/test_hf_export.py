@@ -108,6 +108,27 @@ def test_token_level_softmax_moe_exports_to_mixtral_with_its_tokenizer(tmp_path)
     assert_same_model(model, tmp_path / "hf", enc)
 
 
+@pytest.mark.parametrize("q_lora_rank, norm_eps", [(0, 1e-5), (12, 1e-3)])
+def test_latent_attention_moe_exports_to_deepseek_v3(tmp_path, q_lora_rank, norm_eps):
+    # sigmoid routing + bias, a shared expert, a dense first layer; weights large enough that a RoPE pair out of place
+    # shows, and norm_eps away from the 1e-6 transformers gives DeepSeek-V3's latent norms
+    mla = ["model.attention.kind=mla", "model.attention.kv_lora_rank=16", "model.attention.rope_head_dim=8"]
+    overrides = [*mla, f"model.attention.q_lora_rank={q_lora_rank}", f"model.norm_eps={norm_eps}"]
+    cfg = load_config(None, [*SMALL, *overrides, "model.moe.route_scale=2.5", "model.init_std=0.1"])
+    codec = ByteCodec()
+    torch.manual_seed(5 + q_lora_rank)
+    ids = torch.as_tensor(codec.encode_doc(TEXT[:200]))[None]
+    model = train_steps(CipherModel(cfg.model), ids)
+    assert all(b.abs().sum() > 0 for n, b in model.named_buffers() if n.endswith("expert_bias"))
+    export_model(model, tmp_path / "run" / "final", config=cfg.to_dict(), codec=dict(kind="bytes"))
+    assert cipher_export(str(tmp_path / "run"), str(tmp_path / "hf")) == "DeepseekV3ForCausalLM"
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["q_lora_rank"] == (q_lora_rank or None) and conf["rope_interleave"]
+    assert (conf["first_k_dense_replace"], conf["n_group"], conf["routed_scaling_factor"]) == (1, 1, 2.5)
+    enc = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("def mul(a, b):", return_tensors="pt").input_ids
+    assert_same_model(model, tmp_path / "hf", enc)
+
+
 @pytest.mark.parametrize(
     "overrides, arch",
     [
@@ -139,7 +160,12 @@ def test_dense_models_export_to_llama_or_mistral(tmp_path, overrides, arch):
             ["model.moe.kind=shared_projection", "model.moe.shared_inter=32", "model.moe.expert_rank=8"],
             "model.moe.kind",
         ),
-        (["model.attention.kind=mla"], "model.attention.kind"),
+        (
+            ["model.attention.kind=mla", "model.moe.router_score=softmax", "model.moe.bias_balance=false"],
+            "model.moe.router_score",
+        ),
+        (["model.attention.kind=mla", "model.attention.sliding_window=16"], "model.attention.sliding_window"),
+        (["model.attention.kind=mla", "model.attention.rope_scaling=4"], "model.attention.rope_scaling"),
         (["model.attention.rope_scaling=4"], "model.attention.rope_scaling"),
         (["model.attention.sliding_window=16"], "model.attention.sliding_window"),
         (["model.moe.router_score=softmax", "model.moe.bias_balance=false"], "model.moe.n_shared"),
@@ -150,11 +176,10 @@ def test_unmappable_configs_are_refused_with_the_field_named(tmp_path, overrides
     with pytest.raises(UnmappableConfig, match=field.replace(".", r"\.")) as e:
         hf_architecture(cfg.model)
     assert len(str(e.value).splitlines()) == 1
-    if cfg.model.attention.kind == "gqa":  # a model cipher_nb builds here: the command refuses it too, writing nothing
-        export_model(CipherModel(cfg.model), tmp_path / "final", config=cfg.to_dict(), codec=dict(kind="bytes"))
-        with pytest.raises(CliError, match=field.replace(".", r"\.")):
-            cipher_export(str(tmp_path / "final"), str(tmp_path / "hf"))
-        assert not (tmp_path / "hf").exists()
+    export_model(CipherModel(cfg.model), tmp_path / "final", config=cfg.to_dict(), codec=dict(kind="bytes"))
+    with pytest.raises(CliError, match=field.replace(".", r"\.")):  # the command refuses it too, writing nothing
+        cipher_export(str(tmp_path / "final"), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
 
 
 def test_the_check_fails_on_a_checkpoint_that_differs(tmp_path):
@@ -169,13 +194,20 @@ def test_the_check_fails_on_a_checkpoint_that_differs(tmp_path):
         check_hf_export(model, tmp_path / "hf")
 
 
-def test_a_bf16_model_exports_and_is_left_as_it_was(tmp_path):
+@pytest.mark.parametrize(
+    "overrides, arch",
+    [
+        ([], "Glm4MoeForCausalLM"),
+        (["model.attention.kind=mla", "model.attention.q_lora_rank=12"], "DeepseekV3ForCausalLM"),
+    ],
+)
+def test_a_bf16_model_exports_and_is_left_as_it_was(tmp_path, overrides, arch):
     from cipher_nb.hf_export import export_hf
 
-    cfg = load_config(None, SMALL)
+    cfg = load_config(None, [*SMALL, *overrides])
     torch.manual_seed(4)
     model = CipherModel(cfg.model).to(torch.bfloat16).train()
-    assert export_hf(model, ByteCodec(), tmp_path / "hf") == "Glm4MoeForCausalLM"  # checked in fp32 against a copy
+    assert export_hf(model, ByteCodec(), tmp_path / "hf") == arch  # checked in fp32 against a copy
     assert next(model.parameters()).dtype == torch.bfloat16 and model.training
 
 
