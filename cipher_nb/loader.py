@@ -71,6 +71,10 @@ class ShuffledStream:
     def restore(self, st: dict):
         "Rebuild the buffer by reading again from the anchor before its oldest document, then continue exactly."
         st = dict(st)
+        if "shuffle" not in st:  # saved without a buffer (read in row order): an empty one from that position on
+            self._reset()
+            self.inner.restore(st)
+            return
         sh = st.pop("shuffle")
         self.st = dict(sh, slots=list(sh["slots"]), anchors=[list(a) for a in sh["anchors"]])
         self.buf = [None] * len(sh["slots"])
@@ -410,6 +414,7 @@ class Loader:
             num_workers=self.cfg.data.num_workers,
             world_size=self.world_size,
             rank=self.rank,
+            shuffle_buffer=shuffle_buffer(self.cfg.data),
         )
 
     def iter_readers(self):

@@ -140,6 +140,9 @@ def test_the_loader_state_carries_the_buffer_through_torch_save(tmp_path):
     for r in ref[k:]:
         b = next(it)
         assert all(torch.equal(b[key], r[key]) for key in r)
+    other = L.mixture_loader(small_cfg(spec, num_workers=2, shuffle_buffer=32), "train", 0, 1)
+    with pytest.raises(ValueError, match=r"shuffle_buffer \(saved 16, now 32\)"):
+        other.load_state_dict(sd)
     off = L.documents_in(L.mixture_loader(small_cfg(spec, shuffle_buffer=0), "train", 0, 1, epochs=1))
     on = L.documents_in(L.mixture_loader(small_cfg(spec, shuffle_buffer=16), "train", 0, 1, epochs=1))
     assert off == [t.encode() for t in texts()] and on != off and sorted(on) == sorted(off)
