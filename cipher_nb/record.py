@@ -102,6 +102,7 @@ class RunRecord:
     effective_batch: dict = field(default_factory=dict)
     config_hash: str = ""
     evals: list = field(default_factory=list)  # [{step, tokens, metrics}], every evaluation
+    tracking: dict = field(default_factory=dict)  # {wandb: {id, project, ...}, tensorboard: {dir}}: live metrics
     selection_rule: str = ""
     export: dict = field(default_factory=dict)  # file -> SHA-256
     limitations: list = field(default_factory=list)

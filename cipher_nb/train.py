@@ -6,10 +6,10 @@ Docs: https://cipher-nb.github.io/cipher_nb/train.html.md"""
 
 # %% auto #0
 __all__ = ['NO_HELDOUT', 'BUDGET_MAX_STEPS', 'EXIT_FAILED', 'EXIT_USAGE', 'EXIT_OOM', 'codec_description', 'RunCheckpoints',
-           'TensorBoardCallback', 'WandbCallback', 'logger_callbacks', 'stage_hooks', 'init_distributed',
-           'resume_source', 'check_start', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
-           'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'claim_run_dir', 'one_line_warning', 'exit_with',
-           'smaller_batch', 'oom_advice', 'shutdown_distributed', 'needs_tokenizer', 'cipher_train']
+           'stage_hooks', 'init_distributed', 'resume_source', 'check_start', 'heldout_eval', 'build_trainer',
+           'truncate_metrics', 'restore', 'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'claim_run_dir',
+           'one_line_warning', 'exit_with', 'smaller_batch', 'oom_advice', 'shutdown_distributed', 'needs_tokenizer',
+           'cipher_train']
 
 # %% ../nbs/11_train.ipynb #c0aa1c89
 import argparse
@@ -28,7 +28,6 @@ from fastcore.basics import patch
 from fastcore.script import call_parse
 
 from . import checkpoint as ck
-from .callbacks import Callback
 from .checkpointer import Checkpointer, checkpoint_meta, load_weights, restore_training_state, training_state
 from .codecs import build_codec, tokenizer_command
 from .config import Config, ConfigError, load_config, save_config
@@ -46,6 +45,7 @@ from .record import run_record
 from .sft import SFTHooks
 from .sizing import flops_per_token
 from .stages import StageHooks, check_init_source, check_resume
+from .tracking import logger_callbacks
 from .trainer import NonFiniteError, Trainer
 
 # %% ../nbs/11_train.ipynb #76098ccc
@@ -115,62 +115,6 @@ def export(self: RunCheckpoints, trainer) -> dict:
 def close(self: RunCheckpoints):
     "Wait for a background save to finish."
     self.checkpointer.close()
-
-# %% ../nbs/11_train.ipynb #a4386816
-class TensorBoardCallback(Callback):
-    "Each log row as TensorBoard scalars under RUN/tensorboard."
-
-    def __init__(self, cfg: Config, run_dir):
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-
-    def on_log(self, trainer, row: dict):
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)):
-                self.writer.add_scalar(k, v, row["step"])
-
-    def on_end(self, trainer):
-        self.writer.close()
-
-
-class WandbCallback(Callback):
-    "Each log row to Weights & Biases, offline (no network at run time)."
-
-    def __init__(self, cfg: Config, run_dir):
-        import wandb
-
-        name, d = Path(run_dir).name, str(run_dir)
-        w = cfg.logging.wandb
-        self.run = wandb.init(
-            project=w.project,
-            entity=w.entity or None,
-            name=w.run_name or name,
-            dir=d,
-            mode=w.mode,
-            config=cfg.to_dict(),
-        )
-
-    def on_log(self, trainer, row: dict):
-        self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
-
-    def on_end(self, trainer):
-        self.run.finish()
-
-
-def logger_callbacks(cfg: Config, run_dir, is_main: bool = True) -> list:
-    "The optional loggers `logging.tensorboard` / `logging.wandb.mode` ask for (rank 0 only)."
-    out, wanted = [], dict(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb.mode != "disabled")
-    for flag, cls, pkg in (("tensorboard", TensorBoardCallback, "tensorboard"), ("wandb", WandbCallback, "wandb")):
-        if not (is_main and wanted[flag]):
-            continue
-        try:
-            out.append(cls(cfg, run_dir))
-        except ImportError:
-            warnings.warn(
-                f"logging.{flag} is on but {pkg} is not installed: pip install {pkg} (metrics.jsonl is kept anyway)"
-            )
-    return out
 
 # %% ../nbs/11_train.ipynb #354323dc
 def stage_hooks(stage: str) -> StageHooks:
