@@ -295,6 +295,10 @@ def validate(cfg: Config) -> Config:
         ),
         (0 <= cfg.data.bp_fixed_frac <= 1, f"data.bp_fixed_frac ({cfg.data.bp_fixed_frac}) must lie in [0, 1]"),
         (cfg.data.num_workers >= 0, f"data.num_workers ({cfg.data.num_workers}) cannot be negative"),
+        (
+            cfg.data.shuffle_buffer >= 0,
+            f"data.shuffle_buffer ({cfg.data.shuffle_buffer}) cannot be negative (0 = row order)",
+        ),
         (len(cfg.optim.betas) == 2, f"optim.betas must hold two numbers, got {cfg.optim.betas}"),
         (
             0 < cfg.monitor.max_token_corr <= 1,
