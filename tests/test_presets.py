@@ -1,16 +1,23 @@
-"Every shipped preset loads, and the model it describes has the parameter count `cipher-config` prints for it."
+"Every shipped preset builds with the parameter count `cipher-config` prints; the CPU byte model logs every piece."
 
+import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_cli
 
 from cipher_nb.config import load_config
 from cipher_nb.model import CipherModel
 from cipher_nb.sizing import param_counts
 
 PRESETS = sorted((ROOT / "examples/configs").glob("*.yaml"))
+
+
+def script(name):
+    return shutil.which(name) or str(Path(sys.executable).parent / name)
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: Path(p).stem)
@@ -29,3 +36,17 @@ def test_flexitokens_h100_has_the_training_scripts_shapes():
     assert (e.kind, e.n_routed, e.top_k, e.shared_inter, e.expert_rank) == ("shared_projection", 32, 2, 6144, 256)
     assert r.halting and r.injection == "lti" and r.loop_lora_rank > 0 and m.boundary.enabled
     assert [i - r.n_prelude for i in m.engram.layers] == [1, 4]  # the core's layers 1 and 4
+
+
+def test_flexitokens_cpu_logs_halting_and_memory_and_the_gate_reads_them(tmp_path):
+    "Every piece on, a few steps: the metrics carry loop/halt_frac_K and engram/..., and cipher-gate has their lines."
+    run = tmp_path / "flexi"
+    cfg = str(ROOT / "examples/configs/flexitokens-cpu.yaml")
+    fast = ["training.eval_every=8", "training.checkpoint_every=8", "training.eval_batches=2", "training.log_every=4"]
+    r = run_cli(script("cipher-train"), cfg, *fast, "--max-steps", "8", "--out", str(run), "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*rows)
+    assert {"loop/halt_frac_1", "loop/mean_loops", "engram/gate", "bp/compression", "loss/ponder"} <= keys, keys
+    gate = run_cli(script("cipher-gate"), str(run)).stdout
+    assert "halting spread over the loops" in gate and "Engram memory used" in gate, gate
