@@ -24,6 +24,7 @@ Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `-
              pieces combine (recurrent+act+engram)
   moe+sp     the MoE with shared-projection experts (one shared SwiGLU of twice an expert's width, low-rank factors)
   mla        the MoE with multi-head latent attention in place of grouped-query attention
+  dense+engram, moe+engram  dense / moe with Engram memory read by every layer but the first and the last
 
 Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up, then
 timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round), on
@@ -70,7 +71,7 @@ RECURRENT_PARTS = {  # the recurrent core's optional pieces, each a contender `r
 CONTENDERS = (
     *(BASELINE, "dense", "moe", "moe+bp", "recurrent", "dense+muon", "moe+muon", "moe+muonx"),
     *(f"recurrent+{p}" for p in RECURRENT_PARTS),
-    *("moe+sp", "mla"),
+    *("moe+sp", "mla", "dense+engram", "moe+engram"),
 )
 DEFAULT_CONTENDERS = CONTENDERS[:5]  # the optimizer variants run when named
 REFS = (BASELINE, "dense")  # the per-seed differences the table reports
@@ -103,6 +104,9 @@ def contender_overrides(name: str, cfg) -> list:
         return ["model.moe.kind=shared_projection", f"model.moe.shared_inter={2 * m.moe.expert_d_ff}"]
     if name == "mla":  # latent attention in place of grouped-query attention, at the same head count and width
         return ["model.attention.kind=mla"]
+    if name in ("dense+engram", "moe+engram"):  # the memory read by every layer but the first and the last
+        mid = ", ".join(map(str, range(1, m.n_layers - 1)))
+        return [*contender_overrides(name.split("+")[0], cfg), f"model.engram.layers=[{mid}]"]
     if name.startswith("recurrent+"):
         out = contender_overrides("recurrent", cfg)
         for part in name.split("+")[1:]:
