@@ -28,6 +28,7 @@ from .codecs import ByteCodec, build_codec
 from .config import ConfigError, config_from_dict
 from .core import resolve_device
 from .data import DataError, source_documents
+from .export import CODEC_FILE, TOKENIZER_FILE, export_codec
 from .metrics import heldout_metrics
 from .model import CipherModel, ModelOutput, cache_blocker
 from cipher_nb.sft import (
@@ -393,7 +394,10 @@ def load_model(path, device="cpu") -> tuple:
     load_weights(path, model)
     if lora:
         model = merge_lora(model)
-    return model.to(resolve_device(str(device))).eval(), cfg, build_codec(cfg.data)
+    # an export carries its codec (codec.json, or a copy of the tokenizer): it loads where the run's files are gone
+    carried = (path / CODEC_FILE).is_file() or (path / TOKENIZER_FILE).is_file()
+    codec = export_codec(path) if carried else build_codec(cfg.data)
+    return model.to(resolve_device(str(device))).eval(), cfg, codec
 
 # %% ../nbs/12_evaluate.ipynb #70fffeba
 @call_parse(pos=["path"])

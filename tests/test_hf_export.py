@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from cipher_nb.codecs import ByteCodec, TokenizerCodec, train_bpe  # noqa: E402
 from cipher_nb.config import load_config  # noqa: E402
+from cipher_nb.evaluate import load_model  # noqa: E402
 from cipher_nb.export import export_model, load  # noqa: E402
 from cipher_nb.hf_export import UnmappableConfig, check_hf_export, cipher_export, hf_architecture  # noqa: E402
 from cipher_nb.model import CipherModel  # noqa: E402
@@ -96,10 +97,13 @@ def test_token_level_softmax_moe_exports_to_mixtral_with_its_tokenizer(tmp_path)
     ids = torch.as_tensor(src.encode_doc(TEXT))[None]
     model = train_steps(CipherModel(cfg.model), ids)
     codec_info = dict(kind="tokenizer", tokenizer=str(src.path))
-    export_model(model, tmp_path / "run" / "final", config=cfg.to_dict(), codec=codec_info)
+    meta = dict(config=cfg.to_dict(), step=4)  # what the trainer's meta carries
+    export_model(model, tmp_path / "run" / "final", config=cfg.to_dict(), codec=codec_info, meta=meta)
     shutil.rmtree(tmp_path / "tok")  # the export carries its own tokenizer.json
     _, codec = load(tmp_path / "run")
     assert isinstance(codec, TokenizerCodec) and codec.specials == src.specials
+    _, _, ev_codec = load_model(tmp_path / "run" / "final")  # cipher-eval's loader takes the carried tokenizer too
+    assert isinstance(ev_codec, TokenizerCodec) and ev_codec.encode(TEXT).tolist() == src.encode(TEXT).tolist()
     assert cipher_export(str(tmp_path / "run"), str(tmp_path / "hf")) == "MixtralForCausalLM"
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     prompt = "class Point:\n    def"
