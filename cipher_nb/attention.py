@@ -23,7 +23,6 @@ from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import ModelConfig
-from .sizing import attention_flops_per_token, attention_params, kv_bytes_per_token
 
 # %% ../nbs/05d_attention.ipynb #03b0c918
 def rope_frequencies(
