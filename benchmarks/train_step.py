@@ -1,6 +1,7 @@
 """Training-step benchmarks of `tiny-cpu` (the `cipher-train` default), each side by side in one process.
 
     python benchmarks/train_step.py [--bench monitor|compile|ac|all] [--steps 30] [--rounds 3] [overrides a.b=c ...]
+    python benchmarks/train_step.py --bench versions --other ../old-checkout [--threads 2]
 
 monitor: step time and tokens/s with and without the monitor and the other callbacks: what watching a run costs.
 One trainer is built the way `cipher-train` builds it; the contenders alternate for `--rounds` rounds of `--steps`
@@ -17,12 +18,23 @@ ac: peak memory of one forward and backward of tiny-cpu at 2,048 tokens per sequ
 parameters), with `training.activation_checkpoint` none / selective / full, measured with torch's `MemTracker`
 (activations = the tensors autograd saves plus those recomputed, temporaries = the rest), and its time. Goal (issue
 20): full <= 0.5x the activation memory of none.
+
+versions: this checkout's default step against another checkout's (`--other`, e.g. a `git worktree` of an older
+commit), each in its own process on `--threads` torch threads, the processes taking turns for `--rounds` rounds.
+Each builds the trainer its own `cipher-train` builds with no arguments and times `--steps` steps of the loop's work
+(the train step, plus the log row every `training.log_every` steps) after 5 warm-up steps; it reports the median ms
+per step, bytes per second and its process's peak RSS. Goal (issue 26): tokens/s at least 1.3x, peak RSS no higher.
 """
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,6 +60,61 @@ def bare_trainer(cfg, run_dir):
     tr = build_trainer(cfg, run_dir)
     tr.checkpoints = tr.eval_fn = tr.record = None  # checkpoints and evaluations are timed elsewhere
     return tr
+
+
+VERSION_CHILD = """
+import json, resource, sys, tempfile, time, warnings
+from cipher_nb.config import load_config
+from cipher_nb.train import build_trainer
+warnings.simplefilter("ignore")
+steps = int(sys.argv[1])
+cfg = load_config(None, sys.argv[2:])
+with tempfile.TemporaryDirectory() as d:
+    tr = build_trainer(cfg, d, progress=False)
+    window, t = [], cfg.training
+    for _ in range(5):
+        tr.train_step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        window.append(tr.train_step())
+        if tr.due(t.log_every):
+            tr.log_row(window, 1.0)
+            window = []
+    s = (time.perf_counter() - t0) / steps
+rss = int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) * 1024
+print(json.dumps(dict(seconds=s, tokens=t.batch_size * t.seq_len * t.grad_accum, peak_rss=rss)))
+"""
+
+
+def version_step(root: Path, a) -> dict:
+    "One timing of the default step by the checkout at `root`, in a fresh process."
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": str(a.threads)}
+    cmd = [sys.executable, "-c", VERSION_CHILD, str(a.steps), *QUIET, *a.overrides]
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def git_rev(root: Path) -> str:
+    r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or str(root)
+
+
+def bench_versions(a):
+    if not a.other:
+        raise SystemExit("--bench versions needs --other PATH: a checkout to compare with (git worktree add PATH REV)")
+    roots = {"this": Path(__file__).resolve().parent.parent, "other": Path(a.other).resolve()}
+    runs = {k: [] for k in roots}
+    for r in range(a.rounds):
+        for k in list(roots)[r % 2 :] + list(roots)[: r % 2]:  # the order alternates every round
+            runs[k].append(version_step(roots[k], a))
+    base = statistics.median(x["seconds"] for x in runs["other"])
+    print(f"the default step, {a.threads} torch thread(s), median of {a.rounds} processes x {a.steps} steps")
+    print(f"{'checkout':<24}{'ms/step':>9}{'bytes/s':>9}{'x other':>9}{'peak RSS MiB':>14}")
+    for k, xs in runs.items():
+        s = statistics.median(x["seconds"] for x in xs)
+        rss = max(x["peak_rss"] for x in xs) / 2**20
+        label = f"{k} ({git_rev(roots[k])})"
+        print(f"{label:<24}{1000 * s:>9.1f}{xs[0]['tokens'] / s:>9.0f}{base / s:>9.2f}{rss:>14.0f}")
 
 
 def bench_monitor(a):
@@ -148,13 +215,16 @@ def bench_ac(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", choices=["monitor", "compile", "ac", "all"], default="monitor")
+    p.add_argument("--bench", choices=["monitor", "compile", "ac", "versions", "all"], default="monitor")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--other", help="versions: the checkout to compare this one with")
+    p.add_argument("--threads", type=int, default=2, help="versions: torch threads of each process")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
-    for name, fn in (("monitor", bench_monitor), ("compile", bench_compile), ("ac", bench_ac)):
-        if a.bench in (name, "all"):
+    benches = (("monitor", bench_monitor), ("compile", bench_compile), ("ac", bench_ac), ("versions", bench_versions))
+    for name, fn in benches:
+        if a.bench == name or (a.bench == "all" and name != "versions"):
             fn(a)
 
 

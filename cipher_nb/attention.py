@@ -219,6 +219,7 @@ class KVCache:
         self.device, self.t, self.n = device, 0, 0  # ids stored per row (padding included); slots a step reads
         self.layers, self.mask = {}, None  # key -> [buffers [B, heads, size, width]]; the step's AttnMask
         self.depth = 0  # loops of a recurrent core every position keeps (set by the prompt)
+        self.tail = None  # [B, n] the last ids of each row, for a model that reads n-grams of ids (Engram)
 
     def slot(self, key) -> KVSlot:
         return KVSlot(self, key)

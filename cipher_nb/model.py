@@ -31,7 +31,7 @@ from cipher_nb.attention import (
 )
 from .attention import attention_kernels_used as attention_kernels_used  # re-exported likewise
 from .config import ModelConfig, model_config
-from .engram import Engram, MemoryReads, ngram_windows, segment_ends, windows_at
+from .engram import PAD_ID, Engram, MemoryReads, ngram_windows, segment_ends, windows_at
 from .moe import MoE, RoutedExperts, SwiGLU, compute_dtype, expert_width, resolve_moe_impl, route
 from .recurrence import ACTHalting, HaltingUnit, build_injection, inject_input
 from .sizing import flops_per_token, param_counts
@@ -369,8 +369,6 @@ def cache_blocker(cfg: ModelConfig) -> str:
     "Why `cfg`'s model cannot generate through a KV cache exactly ('' when it can)."
     if cfg.boundary.enabled:
         return "the boundary predictor's segments change as bytes arrive"
-    if getattr(getattr(cfg, "engram", None), "enabled", False):
-        return "Engram's n-gram memory is not cached"
     return ""
 
 
@@ -385,6 +383,19 @@ def new_cache(self: CipherModel, batch: int, max_len: int, pad=None) -> KVCache:
 
 
 @patch
+def cached_engram_reads(self: CipherModel, input_ids, cache: KVCache) -> MemoryReads:
+    "The Engram reads of new ids [B, T] (None without Engram), from the ids `cache` keeps before them."
+    if not hasattr(self, "engram"):
+        return None
+    n, T = self.cfg.engram.max_ngram, input_ids.shape[1]
+    if cache.t == 0 and cache.pad is not None:  # left padding reads as "before the sequence", as a row alone does
+        input_ids = input_ids.masked_fill(torch.arange(T, device=input_ids.device)[None] < cache.pad[:, None], PAD_ID)
+    ids = input_ids if cache.tail is None else torch.cat([cache.tail, input_ids], 1)
+    cache.tail = ids[:, -(n - 1) :]
+    return MemoryReads(self.engram, ngram_windows(ids, n)[:, -T:])
+
+
+@patch
 def step(self: CipherModel, input_ids, cache: KVCache, n_loops=None) -> torch.Tensor:
     "Logits [B, T, V] of new ids [B, T] through `cache`: first the prompt, then one id per call."
     T = input_ids.shape[1]
@@ -392,6 +403,7 @@ def step(self: CipherModel, input_ids, cache: KVCache, n_loops=None) -> torch.Te
     kernel = attention_kernel(self.cfg.attention.impl, x.device, cache.pad is not None or cache.window > 0)
     pos, mask = cache.begin(T, kernel)
     cos, sin = rope_tables(pos, self.inv_freq, self.rope_scale)
-    x, _ = self.main_stack(x, cos, sin, mask, {}, LayerStats(), n_loops, cache=cache)
+    memory = self.cached_engram_reads(input_ids, cache)
+    x, _ = self.main_stack(x, cos, sin, mask, {}, LayerStats(), n_loops, memory, cache)
     cache.end(T)
     return F.linear(self.norm(x), self.output_weight)

@@ -1,7 +1,8 @@
 """Generation through the KV cache against the full forward (float64 on CPU, logits to 1e-9: the cached and full
 paths sum in different orders), in every mode the cache serves: GQA dense and MoE, a sliding window the sequence
-outruns, a recurrent core with a fixed loop count and with ACT halting (including the recompute on `CacheMiss`), and
-the exact fallback of boundary-predictor models; batched generation against one prompt at a time; determinism."""
+outruns, a recurrent core with a fixed loop count and with ACT halting (including the recompute on `CacheMiss`),
+Engram memory (the cache keeps each row's last ids), and the exact fallback of boundary-predictor models; batched
+generation against one prompt at a time; determinism."""
 
 import pytest
 import torch
@@ -28,6 +29,10 @@ MODES = {
         recurrence=dict(n_prelude=1, n_core=2, n_coda=1, n_loops=3, injection="lti", loop_lora_rank=2),
     ),
     "act": ACT,
+    "engram": dict(engram=dict(layers=[0, 2], table_size=61, dim=16, max_ngram=4)),
+    "recurrent engram": dict(
+        n_layers=4, n_prelude=1, n_core=2, n_coda=1, n_loops=3, engram=dict(layers=[1], table_size=61, dim=16)
+    ),
 }
 
 
@@ -87,7 +92,7 @@ def test_the_prompt_logits_equal_the_full_forward_at_every_position():
     torch.testing.assert_close(m(x, cache=c).logits, m(x).logits, rtol=0, atol=TOL)
 
 
-@pytest.mark.parametrize("mode", ["moe", "window", "recurrent"])
+@pytest.mark.parametrize("mode", ["moe", "window", "recurrent", "engram"])
 @torch.no_grad()
 def test_a_left_padded_row_decodes_as_it_would_alone(mode):
     m = build(**MODES[mode])
@@ -100,7 +105,7 @@ def test_a_left_padded_row_decodes_as_it_would_alone(mode):
     torch.testing.assert_close(got[1:], full_logits(m, b, 4), rtol=0, atol=TOL)
 
 
-@pytest.mark.parametrize("mode", ["moe", "window", "act"])
+@pytest.mark.parametrize("mode", ["moe", "window", "act", "engram"])
 def test_batched_generation_equals_one_prompt_at_a_time(mode):
     m, codec = build(**MODES[mode]), ByteCodec()
     prompts = ["def f(x):", "import os\nimport sys", "#"]
@@ -120,13 +125,18 @@ def test_greedy_generation_is_deterministic():
     assert len(runs) == 1 and len(next(iter(runs))) > 0
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [dict(boundary=dict(enabled=True, mode="causal_fixed")), dict(engram=dict(layers=[1], table_size=61, dim=16))],
-    ids=["boundary", "engram"],
-)
-def test_models_the_cache_cannot_serve_fall_back_to_the_exact_recompute(kw):
-    m, codec = build(**kw), ByteCodec()
+@torch.no_grad()
+def test_an_engram_prompt_shorter_than_its_ngrams_decodes_exactly():
+    "A one-id prompt: the first decode steps read n-grams that reach back before the sequence."
+    m = build(**MODES["engram"])
+    torch.manual_seed(1)
+    x = torch.randint(0, 256, (2, 9))
+    got, _ = stepwise_logits(m, x, 1)
+    torch.testing.assert_close(got, full_logits(m, x, 1), rtol=0, atol=TOL)
+
+
+def test_models_the_cache_cannot_serve_fall_back_to_the_exact_recompute():
+    m, codec = build(boundary=dict(enabled=True, mode="causal_fixed")), ByteCodec()
     assert not can_cache(m) and can_cache(build())
     with pytest.raises(ValueError, match="cannot generate through a KV cache"):
         m.new_cache(1, 8)

@@ -133,8 +133,14 @@ def test_example_notebook_runs_all_in_a_kernel(name):
     assert not [s for s in noise if "Traceback" in s or "Error" in s], noise
 
 
-def test_notebooks_carry_the_language_info_jupyterlab_writes():
-    "JupyterLab adds language_info on opening a notebook that lacks it; nbdev-clean keeps it (pyproject.toml)."
+def test_notebooks_carry_the_metadata_jupyterlab_writes():
+    """JupyterLab marks a notebook modified on opening unless its language_info and its kernel's display name are
+    what the kernel reports: nbdev-clean keeps the first (pyproject.toml), tools/nb_metadata.py writes the second."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    specs = KernelSpecManager()
     for path in sorted([*(ROOT / "nbs").glob("*.ipynb"), *(ROOT / "examples").glob("*.ipynb")]):
         md = json.loads(path.read_text())["metadata"]
         assert md.get("language_info", {}).get("name") == "python" and md["language_info"].get("version"), path.name
+        kernel = md["kernelspec"]
+        assert kernel["display_name"] == specs.get_kernel_spec(kernel["name"]).display_name, path.name

@@ -6,6 +6,7 @@ downloads a browser and fails offline) and `pip install jupyterlab selenium`. Ju
 no token, so run it only on a machine you trust. From the repository root:
 
     python tools/browser_smoke.py [--out benchmarks/results/notebook-screens] [01_pretrain 02_refinement ...]
+    python tools/browser_smoke.py --opened      # only: does every notebook in nbs/ and examples/ open unmodified?
 
 For each notebook: open it, note whether JupyterLab marked it modified on opening (see tools/nb_metadata.py), Run
 All, take a screenshot of the live dashboard while it trains and of the plots at the end, and check that the
@@ -13,6 +14,7 @@ dashboard widget rendered and that no cell shows an error. The notebooks are not
 but examples/runs/)."""
 
 import argparse
+import json
 import socket
 import subprocess
 import sys
@@ -124,12 +126,65 @@ def smoke(driver, port: int, name: str, out: Path, timeout: float) -> dict:
     )
 
 
+JS_TAB = """
+const tab = [...document.querySelectorAll('.lm-TabBar-tab.jp-mod-current')]
+  .find(t => t.querySelector('.lm-TabBar-tabLabel')?.textContent === arguments[0]);
+const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+if (!tab || !nb || !nb.querySelector('.jp-Cell')) return null;
+return tab.classList.contains('jp-mod-dirty');
+"""
+
+
+def shutdown_kernels(port: int) -> None:
+    "Stop every kernel the server runs (its REST API: no dialog to confirm)."
+    api = f"http://127.0.0.1:{port}/api/kernels"
+    for k in json.loads(urllib.request.urlopen(api, timeout=10).read()):
+        urllib.request.urlopen(urllib.request.Request(f"{api}/{k['id']}", method="DELETE"), timeout=30)
+
+
+def opened_dirty(driver, port: int, path: str) -> bool:
+    "Open a notebook (its kernel starts) and report whether JupyterLab marked its tab modified."
+    driver.get(f"http://127.0.0.1:{port}/lab/tree/{path}")
+    name, t0 = Path(path).name, time.time()
+    while driver.execute_script(JS_TAB, name) is None:
+        if time.time() - t0 > 90:
+            raise TimeoutError(f"{path}: the notebook did not open")
+        time.sleep(0.5)
+    time.sleep(4)  # let the kernel start and JupyterLab settle its metadata
+    dirty = driver.execute_script(JS_TAB, name)
+    driver.execute_script("window.jupyterapp.commands.execute('docmanager:close-all-files')")
+    shutdown_kernels(port)
+    return dirty
+
+
+def check_opened() -> None:
+    "Every notebook in nbs/ and examples/ opened once; the ones JupyterLab marked modified (see tools/nb_metadata.py)."
+    paths = [str(p.relative_to(ROOT)) for d in ("nbs", "examples") for p in sorted((ROOT / d).glob("*.ipynb"))]
+    port = free_port()
+    lab = start_lab(port, ROOT)
+    driver = None
+    try:
+        driver = browser()
+        dirty = [p for p in paths if opened_dirty(driver, port, p)]
+    finally:
+        if driver is not None:
+            driver.quit()
+        lab.terminate()
+        lab.wait(30)
+    if dirty:
+        sys.exit(f"{len(dirty)} of {len(paths)} notebooks open marked modified: {dirty}")
+    print(f"all {len(paths)} notebooks open unmodified")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("notebooks", nargs="*", default=NOTEBOOKS)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/notebook-screens"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds for each notebook's Run All")
+    ap.add_argument("--opened", action="store_true", help="only open every notebook and check none opens modified")
     a = ap.parse_args()
+    if a.opened:
+        return check_opened()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()

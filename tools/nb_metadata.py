@@ -1,10 +1,12 @@
-"""Give every notebook the `language_info` the kernel reports, so JupyterLab has less to rewrite when it opens one.
+"""Give every notebook the metadata JupyterLab would write on opening it, so a notebook opens unmodified.
 
-JupyterLab adds `language_info` from the kernel when it starts it; `pyproject.toml` lets `nbdev-clean` keep the key,
-and this script writes it where it is missing (the version is this interpreter's, kept once written). JupyterLab
-also replaces `kernelspec.display_name` with the kernel's own ("Python 3 (ipykernel)"), which still marks a notebook
-modified on opening: `nbdev-clean` always sets the display name to the kernel's name (`python3`), and the notebooks
-must stay as `nbdev-clean` leaves them, so that change is left to JupyterLab.
+JupyterLab marks a notebook modified on opening when either of two things differs from what the kernel reports:
+- `language_info`, which it adds from the kernel when it starts it. `pyproject.toml` lets `nbdev-clean` keep the
+  key; this script writes it where it is missing (the version is this interpreter's, kept once written).
+- `kernelspec.display_name`, which it replaces with the kernel's own ("Python 3 (ipykernel)"). `nbdev-clean` always
+  sets the display name to the kernel's name (`python3`), with no setting to stop it, so this script writes the
+  kernel's display name back after it. The sync check (`tools/check.sh`) runs both, in that order, so their result
+  is the form the repository keeps.
 
     python tools/nb_metadata.py            # nbs/ and examples/; run after nbdev-clean (tools/sync.sh does)
 """
@@ -29,14 +31,23 @@ def language_info() -> dict:
     }
 
 
+# What ipykernel's `python3` kernelspec calls itself, and so what JupyterLab writes into a notebook it opens.
+DISPLAY_NAMES = {"python3": "Python 3 (ipykernel)"}
+
+
 def fix(path: Path) -> bool:
-    "Add the notebook's `language_info` if it has none; whether the file changed."
+    "Add the notebook's `language_info` if it has none and set the kernel's display name; whether the file changed."
     text = path.read_text(encoding="utf-8")
     nb = json.loads(text)
     md = nb.setdefault("metadata", {})
-    if md.get("language_info", {}).get("version"):
+    if not md.get("language_info", {}).get("version"):
+        md["language_info"] = language_info()
+    md.pop("widgets", None)  # widget state a browser saved: JupyterLab rewrites it on opening, and it goes stale
+    spec = md.get("kernelspec", {})
+    if spec.get("name") in DISPLAY_NAMES:
+        spec["display_name"] = DISPLAY_NAMES[spec["name"]]
+    if json.dumps(nb, indent=1, ensure_ascii=False) + "\n" == text:
         return False
-    md["language_info"] = language_info()
     path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return True
 
