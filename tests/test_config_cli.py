@@ -108,7 +108,7 @@ def test_tiny_cpu_is_the_default():
 
 
 def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
-    "The 90-second preset: the default but for the step shape, the budget, the eval size and the optimizer (Muon)."
+    "The 90-second preset: the default but for the step shape, the budget, the eval size, Muon, 8 experts and Engram."
     from dataclasses import asdict
 
     from cipher_nb.config import Config, load_config, parse_duration
@@ -119,7 +119,12 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     assert p.training.eval_batches * p.training.batch_size * p.training.seq_len >= (
         d.training.eval_batches * d.training.batch_size * d.training.seq_len
     )
-    assert asdict(p.model) == asdict(d.model) and asdict(p.data) == asdict(d.data)
+    assert asdict(p.data) == asdict(d.data)
+    assert asdict(p.model) == {
+        **asdict(d.model),
+        "moe": {**asdict(d.model.moe), "n_routed": 8},
+        "engram": {**asdict(d.model.engram), "layers": [1, 2]},
+    }
     changed = {k for k, v in asdict(p.training).items() if v != asdict(d.training)[k]}
     assert changed == {"batch_size", "seq_len", "time_budget", "eval_batches"}, changed
     assert p.optim.name == "muon" and {k for k, v in asdict(p.optim).items() if v != asdict(d.optim)[k]} == {"name"}
