@@ -340,6 +340,18 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 # %% ../nbs/01_config.ipynb #5ed099d2
+def _mapping_default(path: list) -> dict | None:
+    "A copy of the default of the mapping field at `path` (`['optim', 'lr_mult']`), None when it is not one."
+    node = _SECTIONS.get(path[0]) if path else None
+    for name in path[1:]:
+        f = next((f for f in fields(node) if f.name == name), None) if is_dataclass(node) else None
+        if f is None:
+            return None
+        node = f.default_factory() if callable(f.default_factory) else f.default
+        node = type(node) if is_dataclass(node) else node
+    return dict(node) if isinstance(node, dict) else None
+
+
 def apply_overrides(d: dict, overrides) -> dict:
     "Return a copy of the nested dict `d` (old flat keys moved) with each `section.key=value` override applied."
     d = upgrade_keys(d)
@@ -350,6 +362,10 @@ def apply_overrides(d: dict, overrides) -> dict:
         key, val = key.strip(), yaml.safe_load(val) if val.strip() else ""
         key = key if isinstance(val, dict) else LEGACY_KEYS.get(key, key)
         *path, leaf = key.split(".")
+        *up, last = path
+        parent = _node(d, up, key)
+        if parent.get(last) is None and (default := _mapping_default(path)) is not None:
+            parent[last] = default  # one entry of a mapping field: the others keep their defaults
         _node(d, path, key)[leaf] = val
     return d
 
