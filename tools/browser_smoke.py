@@ -91,7 +91,7 @@ def wait(driver, cond, timeout: float, what: str, poll: float = 0.5):
 
 def smoke(driver, port: int, name: str, out: Path, timeout: float) -> dict:
     "Open, Run All, screenshot the dashboard while it trains and the plots at the end; the checks' findings."
-    driver.get(f"http://127.0.0.1:{port}/lab/tree/{name}.ipynb")
+    driver.get(f"http://127.0.0.1:{port}/lab/tree/{name}.ipynb?reset")
     wait(driver, lambda s: len(s["prompts"]) > 0, 90, f"{name}: the notebook did not open")
     time.sleep(3)  # let the kernel start and JupyterLab settle its metadata
     opened_dirty = driver.execute_script(JS_STATE)["dirty"]
@@ -138,20 +138,34 @@ return tab.classList.contains('jp-mod-dirty');
 """
 
 
-def shutdown_kernels(port: int) -> None:
-    "Stop every kernel the server runs (its REST API: no dialog to confirm)."
-    api = f"http://127.0.0.1:{port}/api/kernels"
-    for k in json.loads(urllib.request.urlopen(api, timeout=10).read()):
-        try:
-            urllib.request.urlopen(urllib.request.Request(f"{api}/{k['id']}", method="DELETE"), timeout=30)
-        except urllib.error.HTTPError as e:
-            if e.code != 404:  # 404: closing its notebook already stopped it
-                raise
+# A modified notebook would stop the next page load: JupyterLab asks to save on closing, the browser on leaving.
+# Nothing is saved here, so its changes are dropped before it closes.
+JS_DISCARD = """
+for (const w of window.jupyterapp.shell.widgets('main')) { if (w.context) w.context.model.dirty = false; }
+window.jupyterapp.commands.execute('docmanager:close-all-files');
+"""
+
+
+def shutdown_kernels(port: int, timeout: float = 120) -> None:
+    "Stop every kernel the server runs (its REST API: no dialog to confirm) and wait until none is left."
+    api, t0 = f"http://127.0.0.1:{port}/api/kernels", time.time()
+    while kernels := json.loads(urllib.request.urlopen(api, timeout=10).read()):
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"kernels still running after {timeout:.0f} s: {[k['id'] for k in kernels]}")
+        for k in kernels:
+            try:
+                urllib.request.urlopen(urllib.request.Request(f"{api}/{k['id']}", method="DELETE"), timeout=10)
+            except urllib.error.HTTPError as e:
+                if e.code != 404:  # 404: closing its notebook already stopped it
+                    raise
+            except TimeoutError:  # a shutdown already under way (closing the notebook asked too): ask again
+                pass
+        time.sleep(0.5)
 
 
 def opened_dirty(driver, port: int, path: str) -> bool:
     "Open a notebook (its kernel starts) and report whether JupyterLab marked its tab modified."
-    driver.get(f"http://127.0.0.1:{port}/lab/tree/{path}")
+    driver.get(f"http://127.0.0.1:{port}/lab/tree/{path}?reset")  # reset: no tabs restored from an earlier visit
     name, t0 = Path(path).name, time.time()
     while driver.execute_script(JS_TAB, name) is None:
         if time.time() - t0 > 90:
@@ -159,7 +173,7 @@ def opened_dirty(driver, port: int, path: str) -> bool:
         time.sleep(0.5)
     time.sleep(4)  # let the kernel start and JupyterLab settle its metadata
     dirty = driver.execute_script(JS_TAB, name)
-    driver.execute_script("window.jupyterapp.commands.execute('docmanager:close-all-files')")
+    driver.execute_script(JS_DISCARD)
     shutdown_kernels(port)
     return dirty
 
@@ -184,8 +198,12 @@ def check_opened() -> None:
     """Open every notebook once. Those in examples/ must open unmodified; those in nbs/ keep the display name
     `nbdev-clean` sets, which JupyterLab rewrites, so they are counted, not failed (see tools/nb_metadata.py)."""
     paths = [p.relative_to(ROOT) for d in ("nbs", "examples") for p in sorted((ROOT / d).glob("*.ipynb"))]
+    dirty = []
     with lab_session(ROOT) as (driver, port):
-        dirty = [p for p in paths if opened_dirty(driver, port, str(p))]
+        for p in paths:
+            modified = opened_dirty(driver, port, str(p))
+            dirty += [p] if modified else []
+            print(f"{p}: opened {'modified' if modified else 'unmodified'}", flush=True)
     in_nbs = [str(p) for p in dirty if p.parts[0] == "nbs"]
     print(f"{len(in_nbs)} of {sum(p.parts[0] == 'nbs' for p in paths)} notebooks in nbs/ open marked modified")
     bad = [str(p) for p in dirty if p.parts[0] != "nbs"]
