@@ -342,13 +342,9 @@ def validate(cfg: Config) -> Config:
 # %% ../nbs/01_config.ipynb #5ed099d2
 def _mapping_default(path: list) -> dict | None:
     "A copy of the default of the mapping field at `path` (`['optim', 'lr_mult']`), None when it is not one."
-    node = _SECTIONS.get(path[0]) if path else None
-    for name in path[1:]:
-        f = next((f for f in fields(node) if f.name == name), None) if is_dataclass(node) else None
-        if f is None:
-            return None
-        node = f.default_factory() if callable(f.default_factory) else f.default
-        node = type(node) if is_dataclass(node) else node
+    node = Config()
+    for name in path:
+        node = getattr(node, name, None) if is_dataclass(node) else None
     return dict(node) if isinstance(node, dict) else None
 
 
