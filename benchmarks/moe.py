@@ -42,7 +42,7 @@ SHAPES = {
         "h100 preset": (4, 2048, 512, 32, 4, 128, 2),
         "larger": (4, 2048, 768, 64, 6, 192, 2),
         "tiny-cpu": (16, 256, 128, 32, 2, 128, 1),  # the default cipher-train model's MoE layers
-        "tiny-cpu-90s": (12, 64, 128, 32, 2, 128, 1),  # the same layers at tiny-cpu-90s's step of 12 x 64 bytes
+        "tiny-cpu-90s": (12, 64, 128, 8, 2, 128, 1),  # tiny-cpu-90s.yaml's MoE layers at its 12 x 64-byte step
         "h100 preset, 128 tokens": (1, 128, 512, 32, 4, 128, 2),
     },  # a short batch: 16 rows per expert
     "cuda": {"h100 preset": (4, 2048, 512, 32, 4, 128, 2), "larger": (8, 4096, 2048, 64, 8, 512, 2)},

@@ -108,7 +108,7 @@ def expert_load_stats(counts) -> dict:
     )
 
 # %% ../nbs/05_moe.ipynb #afad60a4
-GROUP_ALIGN = 16  # rows per expert block for the grouped kernels (fp8 needs 16; bf16 and fp32 need none)
+GROUP_ALIGN = 16  # rows per expert block for the grouped kernels on CUDA (fp8 needs 16; bf16 and fp32 need none)
 
 
 @dataclass
@@ -288,7 +288,8 @@ def expert_products(idx, n_experts: int, impl: str, counts=None):
     if counts is None:
         counts = expert_counts(idx, n_experts)
     if impl == "grouped":
-        p = dispatch_plan(idx, n_experts, counts=counts)
+        align = GROUP_ALIGN if idx.is_cuda else 1  # CPU: padding rows would be real work in its loop over blocks
+        p = dispatch_plan(idx, n_experts, align=align, counts=counts)
 
         def mm(a, w):
             return grouped_mm(a, w.mT, p.offs)
