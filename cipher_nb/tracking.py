@@ -7,11 +7,12 @@ Docs: https://cipher-nb.github.io/cipher_nb/tracking.html.md"""
 # %% auto #0
 __all__ = ['TRACKING_FILE', 'WANDB_START_FAILED', 'WANDB_LOG_HEADER', 'WANDB_BLOCK', 'RECORD_ENDS', 'read_tracking',
            'note_tracking', 'note_in_record', 'TensorBoardCallback', 'WandbCallback', 'wandb_records', 'item_key',
-           'wandb_offline_runs', 'logger_callbacks']
+           'wandb_offline_runs', 'finished_wandb_runs', 'logger_callbacks']
 
 # %% ../nbs/10c_tracking.ipynb #94edc6dc
 import json
 import struct
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -130,7 +131,7 @@ RECORD_ENDS = (1, 4)  # chunk types that end a record: whole (1) or its last pie
 
 
 def wandb_records(path):
-    "The protobuf `Record`s of a W&B transaction log (`run-ID.wandb`), each chunk's CRC-32 checked."
+    "The protobuf `Record`s of a W&B transaction log (`run-ID.wandb`), each chunk's CRC-32 checked, to a torn tail."
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(path).read_bytes()
@@ -143,6 +144,8 @@ def wandb_records(path):
         if left < 7 or kind == 0:  # the zero padding at a block's end
             pos += left
             continue
+        if pos + 7 + n > len(data):
+            return  # a torn tail: the writer has not flushed the rest (or never will, after a crash)
         chunk = data[pos + 7 : pos + 7 + n]
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc:
             raise ValueError(f"{path}: checksum mismatch at byte {pos}")
@@ -161,10 +164,10 @@ def item_key(item) -> str:
 
 
 def wandb_offline_runs(run_dir) -> list:
-    "Each W&B run logged offline under RUN/wandb, oldest first: its id, start time, config and history rows."
+    "Each W&B run logged offline under RUN/wandb, oldest first: id, start time, config, history rows, finished."
     out = []
     for d in Path(run_dir, "wandb").glob("offline-run-*"):
-        run = dict(id=None, started=0.0, config={}, history=[])
+        run = dict(id=None, started=0.0, config={}, history=[], finished=False)
         for r in wandb_records(next(d.glob("run-*.wandb"))):
             kind = r.WhichOneof("record_type")
             if kind == "run":
@@ -176,9 +179,21 @@ def wandb_offline_runs(run_dir) -> list:
                 row = {item_key(i): json.loads(i.value_json) for i in r.history.item}
                 step = row.pop("_step")
                 run["history"].append({"step": step, **{k: v for k, v in row.items() if not k.startswith("_")}})
+            elif kind == "exit":
+                run["finished"] = True  # the run's last record
         run["config"].pop("_wandb", None)
         out.append(run)
     return sorted(out, key=lambda run: run["started"])
+
+
+def finished_wandb_runs(run_dir, n: int, timeout: float = 30.0) -> list:
+    "`wandb_offline_runs` once `n` runs are there and finished, or whatever is there after `timeout` seconds."
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = wandb_offline_runs(run_dir)
+        if len(runs) >= n and all(r["finished"] for r in runs) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.1)
 
 # %% ../nbs/10c_tracking.ipynb #ad88aae7
 def logger_callbacks(cfg: Config, run_dir, is_main: bool = True) -> list:

@@ -13,7 +13,7 @@ pytest.importorskip("tensorboard")
 
 from cipher_nb.config import load_config  # noqa: E402
 from cipher_nb.record import RunRecord  # noqa: E402
-from cipher_nb.tracking import read_tracking, wandb_offline_runs  # noqa: E402
+from cipher_nb.tracking import finished_wandb_runs, read_tracking  # noqa: E402
 
 ARGS = [
     *SMALL_MODEL,
@@ -54,8 +54,9 @@ def run(tmp_path_factory):
 
 def test_wandb_offline_run_holds_the_config_and_the_rows(run):
     run, _ = run
-    runs = wandb_offline_runs(run)
+    runs = finished_wandb_runs(run, 2)  # W&B's service may still be writing after the run exits
     assert len(runs) == 2  # the first start and the resume, each an offline directory
+    assert all(r["finished"] for r in runs)  # each closed with its exit record
     cfg = load_config(run / "config.yaml").to_dict()  # the resolved config the run trained with
     for r in runs:
         assert r["config"] == cfg
@@ -71,7 +72,7 @@ def test_wandb_offline_run_holds_the_config_and_the_rows(run):
 
 def test_resume_continues_the_same_wandb_run(run):
     run, first = run
-    ids = {r["id"] for r in wandb_offline_runs(run)}
+    ids = {r["id"] for r in finished_wandb_runs(run, 2)}
     assert ids == {first["wandb"]["id"]}, ids
     assert read_tracking(run)["wandb"] == first["wandb"]
     record = RunRecord.load(run / "record.json")
