@@ -191,7 +191,7 @@ def finished_wandb_runs(run_dir, n: int, timeout: float = 30.0) -> list:
     deadline = time.monotonic() + timeout
     while True:
         runs = wandb_offline_runs(run_dir)
-        if len(runs) >= n and all(r["finished"] for r in runs) or time.monotonic() > deadline:
+        if (len(runs) >= n and all(r["finished"] for r in runs)) or time.monotonic() > deadline:
             return runs
         time.sleep(0.1)
 
