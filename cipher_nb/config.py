@@ -6,13 +6,15 @@ Docs: https://cipher-nb.github.io/cipher_nb/config.html.md"""
 
 # %% auto #0
 __all__ = ['LEGACY_KEYS', 'ConfigError', 'upgrade_keys', 'build_section', 'config_from_dict', 'model_config', 'parse_duration',
-           'validate', 'apply_overrides', 'load_config', 'save_config', 'critical_dict', 'config_hash', 'critical_diff']
+           'validate', 'apply_overrides', 'DuplicateKeyError', 'UniqueKeyLoader', 'read_preset', 'load_config',
+           'save_config', 'critical_dict', 'config_hash', 'critical_diff']
 
 # %% ../nbs/01_config.ipynb #4220b6fb
 import copy
 import difflib
 import hashlib
 import json
+import math
 import re
 import typing
 from dataclasses import asdict, fields, is_dataclass
@@ -131,7 +133,7 @@ def upgrade_keys(d: dict | None) -> dict:
 # %% ../nbs/01_config.ipynb #a48f9552
 def _closest(name: str, options, prefix: str = "", legacy: dict | None = None) -> str:
     legacy = legacy or {}
-    near = difflib.get_close_matches(name, list(options) + list(legacy), n=1, cutoff=0.5)
+    near = difflib.get_close_matches(str(name), list(options) + list(legacy), n=1, cutoff=0.5)
     if not near:
         return f"; valid keys: {', '.join(options)}"
     return f": did you mean '{legacy.get(near[0], prefix + near[0])}'?"
@@ -207,19 +209,63 @@ def _leaves(obj, prefix: str):
             yield key, v, hints[f.name], f
 
 
-def validate(cfg: Config) -> Config:
-    "Raise a `ConfigError` naming the fields of the first impossible combination found."
+def _at(obj, key: str):
+    "The value at the dotted path `key` (`training.max_steps`) inside `obj`."
+    for name in key.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _check_values(cfg: Config):
+    "Raise a `ConfigError` for a name outside its `Literal`, a NaN, or an integer below its bound in `AT_LEAST`."
     for s in fields(cfg):
         for key, v, typ, _ in _leaves(getattr(cfg, s.name), s.name):
             if typing.get_origin(typ) is Literal:
                 _choose(v, typing.get_args(typ), key)
+            if isinstance(v, float) and math.isnan(v):
+                raise ConfigError(f"{key} is NaN: give a number")
+    for key, (least, what) in AT_LEAST.items():  # in the table's order: the step count before its warmup
+        if (v := _at(cfg, key)) < least:
+            raise ConfigError(f"{key} ({v}) must be >= {least}: {what}")
+
+# %% ../nbs/01_config.ipynb #c0ec7a11
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_collections(cfg: Config):
+    "Raise a `ConfigError` for an element of a list or mapping field that its users could not read."
+    o, m, s = cfg.optim, cfg.model, cfg.sft
+    if not (len(o.betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in o.betas)):
+        raise ConfigError(f"optim.betas must hold two numbers in [0, 1), got {o.betas}")
+    for key, what, allowed in (
+        ("optim.lr_mult", "learning-rate multiplier >= 0", lambda v: v >= 0),  # 0 freezes those parameters
+        ("optim.clip_groups", "gradient-norm clip > 0", lambda v: v > 0),
+    ):
+        for k, v in _at(cfg, key).items():
+            if not (isinstance(k, str) and _is_number(v) and allowed(v)):
+                as_text = isinstance(v, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", v)  # YAML 1.1: 5e-1 is text
+                text = " (YAML reads 5e-1 as text: write 0.5 or 5.0e-1)" if as_text else ""
+                raise ConfigError(f"{key}.{k} = {v!r}: give a {what}, keyed by a parameter-name substring{text}")
+    if not all(type(i) is int and 0 <= i < m.n_layers for i in m.engram.layers):
+        raise ConfigError(f"model.engram.layers ({m.engram.layers}) must index main layers 0..{m.n_layers - 1}")
+    if not all(isinstance(t, str) and t for t in s.lora_targets):
+        raise ConfigError(f"sft.lora_targets ({s.lora_targets}) must name linear layers, e.g. [wq, wv]")
+
+# %% ../nbs/01_config.ipynb #va11da7e
+def validate(cfg: Config) -> Config:
+    "Raise a `ConfigError` naming the fields of the first impossible value or combination found."
+    _check_values(cfg)
+    _check_collections(cfg)
     m, t = cfg.model, cfg.training
     a, e, r, b = m.attention, m.moe, m.recurrence, m.boundary
     if t.time_budget:
         try:
-            parse_duration(t.time_budget)
+            seconds = parse_duration(t.time_budget)
         except ConfigError as err:
             raise ConfigError(f"training.time_budget = {err}") from None
+        if seconds <= 0:
+            raise ConfigError(f"training.time_budget = {t.time_budget!r}: give a duration above 0, e.g. 90s or 8m")
     checks = [
         (
             a.n_heads % a.n_kv_heads == 0,
@@ -239,7 +285,6 @@ def validate(cfg: Config) -> Config:
             f"model.recurrence.n_prelude + n_core + n_coda ({r.n_prelude} + {r.n_core} + {r.n_coda}) must equal "
             f"model.n_layers ({m.n_layers})",
         ),
-        (r.n_loops >= 1, f"model.recurrence.n_loops ({r.n_loops}) must be at least 1"),
         (
             r.backprop_loops <= r.n_loops,
             f"model.recurrence.backprop_loops ({r.backprop_loops}) cannot exceed model.recurrence.n_loops "
@@ -264,66 +309,30 @@ def validate(cfg: Config) -> Config:
             f"and an even rope_head_dim ({a.rope_head_dim}) > 0",
         ),
         (
-            all(0 <= i < m.n_layers for i in m.engram.layers) and m.engram.max_ngram >= 2,
-            f"model.engram.layers ({m.engram.layers}) must index main layers 0..{m.n_layers - 1} and "
-            f"model.engram.max_ngram ({m.engram.max_ngram}) must be at least 2",
+            not m.engram.enabled or m.engram.dim % m.engram.n_heads == 0,
+            f"model.engram.dim ({m.engram.dim}) must be divisible by model.engram.n_heads ({m.engram.n_heads})",
         ),
-        (
-            not m.engram.enabled or (m.engram.dim % m.engram.n_heads == 0 and m.engram.table_size > 1),
-            f"model.engram.dim ({m.engram.dim}) must be divisible by model.engram.n_heads ({m.engram.n_heads}) "
-            f"and model.engram.table_size ({m.engram.table_size}) above 1",
-        ),
-        (t.seq_len >= 2, f"training.seq_len ({t.seq_len}) must be at least 2 (one input and one target)"),
         (
             t.warmup_steps < t.max_steps,
             f"training.warmup_steps ({t.warmup_steps}) must be below training.max_steps ({t.max_steps})",
         ),
-        (t.lr > 0, f"training.lr ({t.lr}) must be positive"),
+        (0 < t.lr < math.inf, f"training.lr ({t.lr}) must be positive and finite"),
         (0 <= t.min_lr <= t.lr, f"training.min_lr ({t.min_lr}) must lie in [0, training.lr ({t.lr})]"),
-        (
-            t.batch_size >= 1 and t.grad_accum >= 1,
-            f"training.batch_size ({t.batch_size}) and training.grad_accum ({t.grad_accum}) must be at least 1",
-        ),
-        (
-            cfg.data.max_bytes >= 0,
-            f"data.max_bytes ({cfg.data.max_bytes}) cannot be negative (0 keeps whole documents)",
-        ),
         (0 <= cfg.data.heldout_frac < 1, f"data.heldout_frac ({cfg.data.heldout_frac}) must lie in [0, 1)"),
-        (
-            cfg.data.heldout_tail_bytes >= 0,
-            f"data.heldout_tail_bytes ({cfg.data.heldout_tail_bytes}) cannot be negative (0 holds out no tail)",
-        ),
         (0 <= cfg.data.bp_fixed_frac <= 1, f"data.bp_fixed_frac ({cfg.data.bp_fixed_frac}) must lie in [0, 1]"),
-        (cfg.data.num_workers >= 0, f"data.num_workers ({cfg.data.num_workers}) cannot be negative"),
-        (
-            cfg.data.shuffle_buffer >= 0,
-            f"data.shuffle_buffer ({cfg.data.shuffle_buffer}) cannot be negative (0 = row order)",
-        ),
-        (len(cfg.optim.betas) == 2, f"optim.betas must hold two numbers, got {cfg.optim.betas}"),
         (
             0 < cfg.monitor.max_token_corr <= 1,
             f"monitor.max_token_corr ({cfg.monitor.max_token_corr}) must lie in (0, 1]",
         ),
         (
-            cfg.monitor.overfit_patience >= 1 and cfg.monitor.gate_steps >= 1,
-            f"monitor.overfit_patience ({cfg.monitor.overfit_patience}) and monitor.gate_steps "
-            f"({cfg.monitor.gate_steps}) must be at least 1",
-        ),
-        (cfg.sft.epochs >= 1, f"sft.epochs ({cfg.sft.epochs}) must be at least 1"),
-        (
             0 < cfg.sft.heldout_frac < 1,
             f"sft.heldout_frac ({cfg.sft.heldout_frac}) must lie in (0, 1): SFT evaluates on its held-out examples",
         ),
         (
-            cfg.sft.max_train_examples >= 0,
-            f"sft.max_train_examples ({cfg.sft.max_train_examples}) cannot be negative (0 keeps them all)",
-        ),
-        (
-            0 <= cfg.sft.min_lr <= cfg.sft.lr and cfg.sft.lr > 0,
-            f"sft.lr ({cfg.sft.lr}) must be positive and sft.min_lr ({cfg.sft.min_lr}) in [0, sft.lr]",
+            0 <= cfg.sft.min_lr <= cfg.sft.lr and 0 < cfg.sft.lr < math.inf,
+            f"sft.lr ({cfg.sft.lr}) must be positive and finite and sft.min_lr ({cfg.sft.min_lr}) in [0, sft.lr]",
         ),
         (0 <= cfg.sft.warmup_frac < 1, f"sft.warmup_frac ({cfg.sft.warmup_frac}) must lie in [0, 1)"),
-        (cfg.sft.lora_rank >= 0, f"sft.lora_rank ({cfg.sft.lora_rank}) cannot be negative (0 = full-parameter)"),
         (
             cfg.sft.lora_alpha > 0 and 0 <= cfg.sft.lora_dropout < 1,
             f"sft.lora_alpha ({cfg.sft.lora_alpha}) must be positive and sft.lora_dropout "
@@ -348,6 +357,16 @@ def _mapping_default(path: list) -> dict | None:
     return dict(node) if isinstance(node, dict) else None
 
 
+def _override_value(text: str):
+    "An override's value read as YAML (`[0.9, 0.95]`, `true`); text that is not YAML stays text for its field to judge."
+    if not text.strip():
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:  # `data.path=[ab]*.txt` is a path; `training.lr=[1` is then refused as text, on one line
+        return text
+
+
 def apply_overrides(d: dict, overrides) -> dict:
     "Return a copy of the nested dict `d` (old flat keys moved) with each `section.key=value` override applied."
     d = upgrade_keys(d)
@@ -355,7 +374,7 @@ def apply_overrides(d: dict, overrides) -> dict:
         if "=" not in o or "." not in o.split("=", 1)[0]:
             raise ConfigError(f"override '{o}' is not of the form section.key=value (e.g. model.moe.top_k=4)")
         key, val = o.split("=", 1)
-        key, val = key.strip(), yaml.safe_load(val) if val.strip() else ""
+        key, val = key.strip(), _override_value(val)
         key = key if isinstance(val, dict) else LEGACY_KEYS.get(key, key)
         *path, leaf = key.split(".")
         *up, last = path
@@ -365,22 +384,74 @@ def apply_overrides(d: dict, overrides) -> dict:
         _node(d, path, key)[leaf] = val
     return d
 
+# %% ../nbs/01_config.ipynb #d0b1e7a1
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    "A key written twice in one YAML mapping (`first`: the line, from 0, where it was written first)."
+
+    def __init__(self, key, first: int, mark):
+        super().__init__(None, None, f"key {key!r} is given twice (first on line {first + 1})", mark)
+        self.key, self.first = key, first
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    "`yaml.SafeLoader` that raises `DuplicateKeyError` for a key written twice in one mapping."
+
+    def construct_mapping(self, node, deep=False):
+        first = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in first:
+                    raise DuplicateKeyError(key, first[key], key_node.start_mark)
+            except TypeError:  # an unhashable key: SafeLoader names it
+                continue
+            first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+# %% ../nbs/01_config.ipynb #4ead9e5e
+def _yaml_problem(p: Path, e: yaml.YAMLError) -> str:
+    "One line for a YAML error in the file `p`: where the parser stopped and why."
+    where = getattr(e, "problem_mark", None)
+    if isinstance(e, DuplicateKeyError):
+        first = f"first on line {e.first + 1}"
+        return f"config file '{p}' line {where.line + 1}: key '{e.key}' is given twice ({first}); keep one of them"
+    at = f" line {where.line + 1}, column {where.column + 1}" if where else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"config file '{p}'{at}: not valid YAML ({problem}); fix the file or start from a preset"
+
+
+def read_preset(path) -> dict:
+    "The mapping of sections a YAML preset holds, or a `ConfigError` naming the file and what a preset must be."
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file '{p}' does not exist; presets live in examples/configs/")
+    if p.is_dir():
+        raise ConfigError(f"config file '{p}' is a directory: give a YAML preset, e.g. examples/configs/tiny-cpu.yaml")
+    try:
+        d = yaml.load(p.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+    except OSError as e:
+        raise ConfigError(f"config file '{p}' cannot be read ({e.strerror or e}): check its permissions") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text: a preset is a YAML file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_problem(p, e)) from None
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(
+            f"config file '{p}' holds a {type(d).__name__}: a preset is a mapping of sections (model:, training:, ...)"
+        )
+    for s, v in d.items():
+        if s in _SECTIONS and not isinstance(v, dict | None):
+            raise ConfigError(f"config file '{p}': section '{s}' is {v!r}, but a section is a mapping of its keys")
+    return d
+
 # %% ../nbs/01_config.ipynb #0f549bce
 def load_config(path=None, overrides=()) -> Config:
     "Load a YAML preset (or the defaults when `path` is None), apply overrides, validate."
-    d = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file '{p}' does not exist; presets live in examples/configs/")
-        try:
-            d = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            at = f" line {where.line + 1}, column {where.column + 1}" if where else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(f"config file '{p}'{at}: not valid YAML ({problem}); fix the file or start from a preset")
-    return config_from_dict(apply_overrides(d, overrides))
+    return config_from_dict(apply_overrides({} if path is None else read_preset(path), overrides))
 
 
 def save_config(cfg: Config, path):

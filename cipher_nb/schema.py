@@ -1,4 +1,4 @@
-"""The config tree: one dataclass per section (model with its attention, MoE, recurrence, Engram and boundary sections; data, training, optimizer, stage, monitor, SFT, logging), every default, and the `Literal` types that name the allowed values.
+"""The config tree: one dataclass per section (model with its attention, MoE, recurrence, Engram and boundary sections; data, training, optimizer, stage, monitor, SFT, logging), every default, the `Literal` types that name the allowed values, and the least value of every count.
 
 Docs: https://cipher-nb.github.io/cipher_nb/schema.html.md"""
 
@@ -7,10 +7,10 @@ Docs: https://cipher-nb.github.io/cipher_nb/schema.html.md"""
 # %% auto #0
 __all__ = ['RouterScore', 'MoEKernel', 'MoEImpl', 'AttnKernel', 'AttnImpl', 'ActCheckpoint', 'MoEKind', 'Injection', 'AttnKind',
            'CausalBPMode', 'BPMode', 'BPLoss', 'Source', 'Codec', 'Precision', 'FP8Recipe', 'Parallel', 'OptimName',
-           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'cosmetic', 'list_field', 'dict_field', 'AttentionConfig',
-           'MoEConfig', 'RecurrenceConfig', 'EngramConfig', 'BoundaryConfig', 'ModelConfig', 'DataConfig',
-           'TrainConfig', 'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig', 'WandbConfig', 'LoggingConfig',
-           'Config']
+           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'AT_LEAST', 'cosmetic', 'list_field', 'dict_field',
+           'AttentionConfig', 'MoEConfig', 'RecurrenceConfig', 'EngramConfig', 'BoundaryConfig', 'ModelConfig',
+           'DataConfig', 'TrainConfig', 'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig', 'WandbConfig',
+           'LoggingConfig', 'Config']
 
 # %% ../nbs/00a_schema.ipynb #7cfa6261
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -194,7 +194,7 @@ class DataConfig:
     text_field: str = "text"
     codec: Codec = "bytes"
     tokenizer: str = ""  # path to a tokenizer.json when codec = tokenizer
-    max_bytes: int = 8192  # a document is truncated to this many bytes; 0 = whole documents
+    max_bytes: int = 8192  # a document is cut to this many bytes, a text file split into such documents; 0 = whole
     heldout_frac: float = 0.05  # documents held out for validation, chosen by hash
     heldout_path: str = ""  # a separate held-out file or glob (then no training document is held out)
     heldout_tail_bytes: int = 0  # hold out the last N bytes of each training file (a corpus of one file)
@@ -342,3 +342,58 @@ class Config:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+# %% ../nbs/00a_schema.ipynb #a71ea57b
+AT_LEAST = {  # field -> (the least value that works, what the field counts)
+    "training.max_steps": (1, "optimizer steps to train (with training.time_budget: the most the budget may buy)"),
+    "training.warmup_steps": (0, "steps of learning-rate warmup (0 = none)"),
+    "training.seq_len": (2, "tokens per window: one input and one target at least"),
+    "training.batch_size": (1, "windows per micro-batch"),
+    "training.grad_accum": (1, "micro-batches per optimizer step"),
+    "training.log_every": (1, "steps between logged rows"),
+    "training.eval_every": (1, "steps between held-out evaluations"),
+    "training.checkpoint_every": (1, "steps between checkpoints"),
+    "training.eval_batches": (1, "held-out batches per evaluation (data.heldout_frac=0 turns evaluation off)"),
+    "training.keep_last": (0, "step checkpoints kept (0 keeps every one)"),
+    "training.max_nonfinite": (1, "non-finite steps in a row before the run stops"),
+    "training.fp8_min_dim": (0, "the width from which fp8 converts a linear layer"),
+    "training.seed": (0, "the random seed"),
+    "optim.bp_freeze_steps": (-1, "steps with the boundary predictor frozen (-1 = training.warmup_steps)"),
+    "model.vocab": (1, "token ids"),
+    "model.d_model": (1, "the model width"),
+    "model.n_layers": (1, "main layers"),
+    "model.d_ff": (0, "the dense FFN width (0 = the MoE's active width)"),
+    "model.loss_chunk": (0, "tokens per cross-entropy chunk (0 = one plain pass)"),
+    "model.attention.n_heads": (1, "query heads"),
+    "model.attention.n_kv_heads": (1, "key and value heads"),
+    "model.attention.head_dim": (2, "the width of a head"),
+    "model.attention.rope_orig_ctx": (1, "the context length RoPE was trained at"),
+    "model.attention.sliding_window": (0, "positions a query sees (0 = full causal attention)"),
+    "model.attention.q_lora_rank": (0, "MLA's query compression width (0 = full rank)"),
+    "model.moe.n_routed": (0, "routed experts (0 = a dense FFN)"),
+    "model.moe.n_shared": (0, "shared experts"),
+    "model.moe.expert_d_ff": (1, "an expert's width"),
+    "model.moe.n_dense_layers": (0, "leading layers with a dense FFN"),
+    "model.moe.shared_inter": (1, "the shared projection's width"),
+    "model.moe.expert_rank": (1, "the rank of each expert's own factors"),
+    "model.recurrence.n_prelude": (0, "layers before the recurrent core"),
+    "model.recurrence.n_core": (0, "layers in the recurrent core (0 = no recurrence)"),
+    "model.recurrence.n_coda": (0, "layers after the recurrent core"),
+    "model.recurrence.n_loops": (1, "passes through the core"),
+    "model.recurrence.backprop_loops": (0, "loops that carry gradients (0 = every loop)"),
+    "model.recurrence.loop_lora_rank": (0, "the rank of the per-loop adapters (0 = off)"),
+    "model.engram.max_ngram": (2, "the longest n-gram read"),
+    "model.engram.n_heads": (1, "hash functions per n-gram order"),
+    "model.engram.table_size": (2, "rows of each hash table"),
+    "model.engram.dim": (1, "the memory width per n-gram order"),
+    "model.boundary.n_byte_layers": (0, "byte layers on each side of the boundary predictor"),
+    "data.max_bytes": (0, "bytes kept of a document (0 keeps whole documents)"),
+    "data.heldout_tail_bytes": (0, "bytes held out at the end of each file (0 = none)"),
+    "data.num_workers": (0, "loader worker processes"),
+    "data.shuffle_buffer": (0, "documents drawn at random from (0 = row order)"),
+    "monitor.gate_steps": (1, "steps the gate's loss check covers"),
+    "monitor.overfit_patience": (1, "validation rises in a row before a warning"),
+    "sft.epochs": (1, "passes over the SFT examples"),
+    "sft.max_train_examples": (0, "SFT examples kept (0 keeps every one)"),
+    "sft.lora_rank": (0, "the LoRA rank (0 = full-parameter)"),
+}

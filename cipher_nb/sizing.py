@@ -10,10 +10,11 @@ __all__ = ['attention_params', 'attention_flops_per_token', 'cached_layers', 'kv
            'describe', 'cipher_config']
 
 # %% ../nbs/01d_sizing.ipynb #8aded5ce
+import sys
 from dataclasses import replace
 
 import yaml
-from fastcore.script import CliError, call_parse
+from fastcore.script import call_parse, is_cli
 
 from .config import Config, ConfigError, ModelConfig, config_hash, load_config
 
@@ -174,9 +175,12 @@ def cipher_config(
     path: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)
     *overrides: str,  # section.key=value overrides, e.g. model.moe.top_k=4
 ):
-    "Print a preset's resolved config, parameter counts and hash; exit 1 with the reason if it is invalid."
+    "Print a preset's resolved config, parameter counts and hash; exit 2 with the reason on one line if it is invalid."
     try:
         cfg = load_config(path, overrides)
     except ConfigError as e:
-        raise CliError(f"invalid config: {e}")
+        if not is_cli(cipher_config):  # a Python call (a notebook, another CLI) sees the error itself
+            raise
+        print(f"cipher-config: invalid config: {e}", file=sys.stderr)
+        return 2  # a usage or config error, as for cipher-train
     print(describe(cfg))

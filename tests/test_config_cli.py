@@ -1,7 +1,10 @@
-"cipher-config as a user runs it: the H100 preset prints its values, a bad override exits non-zero naming the keys."
+"cipher-config as a user runs it: the H100 preset prints its values, a bad override or preset exits 2 naming the keys."
 
+import os
 import shutil
+from pathlib import Path
 
+import pytest
 import yaml
 from conftest import ROOT, run_cli
 
@@ -128,3 +131,36 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     changed = {k for k, v in asdict(p.training).items() if v != asdict(d.training)[k]}
     assert changed == {"batch_size", "seq_len", "time_budget", "eval_batches"}, changed
     assert p.optim.name == "muon" and {k for k, v in asdict(p.optim).items() if v != asdict(d.optim)[k]} == {"name"}
+
+
+def test_a_key_given_twice_is_one_line_with_exit_code_2(tmp_path):
+    "PyYAML keeps the last of two equal keys: the first `training:` section would be dropped without a word."
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("training:\n  lr: 1.0e-3\ntraining:\n  seed: 1\n")
+    r = run_cli(cli(), str(dup))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"cipher-config: invalid config: config file '{dup}' line 3: key 'training' is given twice (first on line 1); "
+        "keep one of them"
+    ]
+
+
+# cipher-train's own refusals of these (a negative step count, a zero cadence, a directory or a list as the preset)
+# are rows of tests/test_reliability.py.
+
+
+def test_an_unreadable_preset_is_one_line(tmp_path, monkeypatch):
+    "chmod 000 stops a read except as root, where the read is made to fail instead."
+    from cipher_nb.config import ConfigError, load_config
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    p = tmp_path / "locked.yaml"
+    p.write_text("training:\n  lr: 1.0e-3\n")
+    if os.geteuid() == 0:
+        monkeypatch.setattr(Path, "read_text", denied)
+    else:
+        p.chmod(0)
+    with pytest.raises(ConfigError, match=r"locked.yaml' cannot be read \(Permission denied\): check its permissions"):
+        load_config(p)
