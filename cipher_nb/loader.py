@@ -22,6 +22,7 @@ from cipher_nb.data import (
     PIECE_BYTES,
     DataError,
     HFStream,
+    check_trainable,
     doc_size,
     iter_pieces,
     open_stream,
@@ -187,7 +188,9 @@ class Packer:
         self.mix = mix if mix is not None else _NO_MIX
         size = shuffle_buffer(d) if split == "train" else 0  # held-out documents keep their order
         self.streams = {
-            n: shuffled(open_stream(s, split, self.g, self.n, t.seed, frac, epochs, tail), size, t.seed, n, self.g)
+            n: shuffled(
+                open_stream(s, split, self.g, self.n, t.seed, frac, epochs, tail, d.max_bytes), size, t.seed, n, self.g
+            )
             for n, s in self.specs.items()
         }
         self.st = dict(
@@ -426,7 +429,13 @@ class Loader:
                     ds, batch_size=None, num_workers=self.n_workers, collate_fn=_identity, persistent_workers=False
                 )
             )
-        for w, block in it:
+        while True:
+            try:
+                w, block = next(it)
+            except StopIteration:
+                break
+            except DataError as e:  # from a worker, the message carries its traceback: keep the one line that says why
+                raise DataError(str(e).rstrip().rsplit("DataError: ", 1)[-1]) from None
             for batch, st in block:
                 if resume:
                     self.states[w], self.k = st, self.k + 1
@@ -456,7 +465,7 @@ class Loader:
         self.k, self.states = int(sd["k"]), list(sd["readers"])
 
     def stats(self) -> dict:
-        "Documents taken per source, empty documents skipped per source, documents truncated (over batches handed out)."
+        "Over the batches handed out: documents per source, empty ones skipped per source, documents cut at max_bytes."
         out = dict(docs={}, empty={}, truncated=0)
         for s in self.states:
             if s is None:
@@ -496,6 +505,8 @@ def mixture_loader(
             f"({codec.vocab_size}, data.codec={cfg.data.codec!r})"
         )
     prepare_sources(cfg.data)  # in the main process, so that forked DataLoader workers inherit the caches
+    if split == "train":
+        check_trainable(cfg.data)  # a source with nothing to train on: refused now, not an endless first step
     return Loader(cfg, split, rank, world_size, mix=mix, epochs=epochs, pin_memory=pin_memory)
 
 # %% ../nbs/02b_loader.ipynb #1afdcc07

@@ -1,6 +1,7 @@
 "Process-level behaviour of the data loader: DataLoader workers, ranks, exact resume through torch.save, bad input."
 
 import json
+import re
 import tracemalloc
 
 import numpy as np
@@ -167,3 +168,66 @@ def test_uneven_files_are_split_by_file(tmp_path):
     per_rank = [L.documents_in(L.mixture_loader(cfg, "train", r, 2, epochs=1)) for r in (0, 1)]
     assert sorted(per_rank[0] + per_rank[1]) == sorted(t.encode() for t in texts)
     assert sorted(len(d) for d in per_rank) == [100, 200]  # whole files: one rank reads two, the other one
+
+
+def numbered_book(path, lines=7500):
+    "A text file of numbered lines (29 bytes each): which lines a model saw can be read off the decoded text."
+    path.write_bytes(b"".join(b"line %06d of one long book\n" % i for i in range(lines)))
+    return path
+
+
+def line_numbers(batches) -> set:
+    text = b"".join(C.ByteCodec().decode_bytes(np.asarray(b["input_ids"]).reshape(-1)) for b in batches)
+    return {int(m) for m in re.findall(rb"line (\d{6}) of", text)}
+
+
+def test_a_long_text_file_is_read_whole_as_documents(tmp_path):
+    "200 kB in one file at max_bytes=8192: every line is packed, in documents of at most 8192 bytes, none truncated."
+    book = numbered_book(tmp_path / "book.txt")
+    cfg = small_cfg(source="files", path=str(book), heldout_frac=0.0, num_workers=2)  # default max_bytes: 8192
+    loader = L.mixture_loader(cfg, "train", 0, 1, epochs=1)
+    batches = by_reader(loader)
+    docs = [d for bs in batches.values() for d in L.documents_in(bs)]
+    assert len(batches) == 2 and all(len(L.documents_in(bs)) > 5 for bs in batches.values())  # both readers share it
+    assert max(map(len, docs)) <= 8192 and all(d.endswith(b"\n") for d in docs)
+    assert b"".join(sorted(docs)) == book.read_bytes()  # numbered lines: sorted documents are the file, every byte once
+    assert loader.stats()["truncated"] == 0
+
+
+def test_truncated_counts_exactly_the_documents_cut_at_max_bytes():
+    "In-memory documents longer than max_bytes are still cut, and counted once each, across workers and a resume."
+    cfg = small_cfg(source="mock", path="latin", heldout_frac=0.0, max_bytes=500, num_workers=2)
+    want = sum(len(d) > 500 for d in D.mock_docs("latin"))
+    loader = L.mixture_loader(cfg, "train", 0, 1, epochs=1)
+    batches = list(loader)
+    assert 0 < want < len(D.mock_docs("latin")) and loader.stats()["truncated"] == want
+    half = L.mixture_loader(cfg, "train", 0, 1, epochs=1)
+    it = iter(half)
+    for _ in range(len(batches) // 2):
+        next(it)
+    rest = L.mixture_loader(cfg, "train", 0, 1, epochs=1)
+    rest.load_state_dict(json.loads(json.dumps(half.state_dict())))
+    assert len(list(rest)) == len(batches) - len(batches) // 2 and rest.stats()["truncated"] == want
+
+
+def test_resume_inside_a_long_text_file_is_exact(tmp_path):
+    "A loader state saved in the middle of a one-file corpus, restored through torch.save: the identical next batches."
+    book = numbered_book(tmp_path / "book.txt")
+    cfg = small_cfg(source="files", path=str(book), heldout_frac=0.0, num_workers=2)
+    k, m = 37, 24
+    it = iter(L.mixture_loader(cfg, "train", 0, 1))
+    ref = [next(it) for _ in range(k + m)]
+    first = L.mixture_loader(cfg, "train", 0, 1)
+    it = iter(first)
+    for _ in range(k):
+        next(it)
+    torch.save(first.state_dict(), tmp_path / "data.pt")
+    assert any(r["cur"] for r in first.state_dict()["readers"])  # stopped inside a document of the book
+    resumed = L.mixture_loader(cfg, "train", 0, 1)
+    resumed.load_state_dict(torch.load(tmp_path / "data.pt", weights_only=True))
+    it = iter(resumed)
+    for r in ref[k:]:
+        b = next(it)
+        for key in r:
+            assert torch.equal(b[key], r[key]), key
+    assert max(line_numbers(ref[k:])) > 1000  # the resumed batches are deep inside the file, past its first 8 kB

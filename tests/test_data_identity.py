@@ -1,5 +1,6 @@
 "Data identity: what the fingerprint covers, unpinned hub sources, and held-out data that is real or absent."
 
+import hashlib
 import json
 import warnings
 
@@ -148,3 +149,24 @@ def test_exact_resume_inside_a_file_without_its_tail(tmp_path):
     for r, x in zip(ref[13:], b):
         for k in r:
             assert (x[k] == r[k]).all()
+
+
+def _fingerprint_before_split(cfg) -> str:
+    "The fingerprint as it was computed before long text files were split (no `long_files` in the manifest)."
+    man = D.data_manifest(cfg)
+    for s in man["sources"].values():
+        s.pop("long_files", None)
+    return hashlib.sha256(json.dumps(man, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def test_splitting_long_files_changes_the_fingerprint_only_where_it_changes_what_is_read(corpus, tmp_path):
+    "A file over max_bytes is now read whole: refinement from a run made before is refused; short files: as before."
+    long = files_cfg(corpus)  # 14 kB at max_bytes 8192
+    assert D.data_manifest(long)["sources"]["main"]["long_files"] == "split"
+    src = _source_ckpt(tmp_path, long, _fingerprint_before_split(long))
+    refine = files_cfg(corpus)
+    refine.stage.name = "refinement"
+    with pytest.raises(StageError, match="refinement data differs"):
+        check_init_source(src, refine, D.data_fingerprint(refine))
+    for cfg in (files_cfg(corpus, max_bytes=0), files_cfg(corpus, max_bytes=1 << 16), Config()):
+        assert D.data_fingerprint(cfg) == _fingerprint_before_split(cfg)  # nothing cut, nothing split: unchanged
