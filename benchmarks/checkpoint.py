@@ -4,9 +4,12 @@ with --fsdp, the step time of an FSDP2 run while it saves sharded checkpoints, b
     python benchmarks/checkpoint.py [--config examples/configs/h100.yaml] [--repeats 3] [--dir DIR] [--device auto]
     torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint.py --fsdp [--width 1024] [--depth 8] [--repeats 3]
 
-Rows, all in one process on the same state: a blocking save (serialise, fsync, rename, marker); a background save
+Rows, all in one process on the same state: a blocking save (serialise while hashing with SHA-256, fsync, rename,
+marker); the same `torch.save` + fsync with no hash and no marker (what the checksums cost a save); a background save
 (what the training loop waits for: the copy to host memory, then the time until the thread has written it); a load
-(`restore_training_state`); and a plain copy of the same `state.pt` with fsync, which is the disk's own speed. The
+(`restore_training_state`, which checks every file's SHA-256 first); the SHA-256 of `state.pt` read back from disk
+with hashlib alone (what the check costs a load); and a plain copy of the same `state.pt` with fsync, which is the
+disk's own speed. The
 last column divides each row's throughput by the disk copy's, so 1.0 means the save runs at the disk's limit.
 Each number is the median of `--repeats` runs. The model is `cipher_nb.model.CipherModel` when that module exists,
 otherwise a stand-in with exactly the preset's parameter count (same bytes; checkpoint I/O does not care about shapes).
@@ -19,6 +22,7 @@ without a save: the background rows should stay near 1.
 """
 
 import argparse
+import hashlib
 import os
 import shutil
 import statistics
@@ -118,7 +122,7 @@ def main():
     bg.save(0, state(), meta)
     cold = time.perf_counter() - t0
     bg.wait()
-    saves, copies, waits, bgs, loads = [], [], [], [], []
+    saves, copies, waits, bgs, loads, plains, hashes = [], [], [], [], [], [], []
     for r in range(a.repeats):  # round-robin, so the machine's noise spreads over every row alike
         t0 = time.perf_counter()
         path = save_checkpoint(fresh(work / "ck") / "step_0000001", state(), meta)
@@ -133,6 +137,19 @@ def main():
         copies.append(time.perf_counter() - t0)
         dst.unlink()
         t0 = time.perf_counter()
+        with open(dst, "wb") as f:
+            torch.save(state(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        plains.append(time.perf_counter() - t0)
+        dst.unlink()
+        t0 = time.perf_counter()
+        h = hashlib.sha256()
+        with open(path / STATE, "rb") as f:
+            while b := f.read(1 << 22):
+                h.update(b)
+        hashes.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
         bg.save(r + 1, state(), meta)
         waits.append(time.perf_counter() - t0)
         bg.wait()
@@ -143,16 +160,19 @@ def main():
         loads.append(time.perf_counter() - t0)
     med = statistics.median
     t_save, t_copy, t_blocked, t_bg, t_load = med(saves), med(copies), med(waits), med(bgs), med(loads)
+    t_plain, t_hash = med(plains), med(hashes)
     nbytes, state_bytes = dir_bytes(path), (path / STATE).stat().st_size
 
     mb = nbytes / 1e6
     disk = state_bytes / 1e6 / t_copy
     rows = [
         ("save, blocking", t_save, nbytes, f"{mb / t_save / disk:.2f}"),
+        ("torch.save + fsync, no hash, no marker", t_plain, state_bytes, f"{state_bytes / 1e6 / t_plain / disk:.2f}"),
         ("save, background: loop waits, first save", cold, nbytes, f"{cold / t_save:.2f} x blocking time"),
         ("save, background: loop waits (copy to host)", t_blocked, nbytes, f"{t_blocked / t_save:.2f} x blocking time"),
         ("save, background: until written", t_bg, nbytes, f"{mb / t_bg / disk:.2f}"),
         ("load (restore_training_state)", t_load, nbytes, f"{mb / t_load / disk:.2f}"),
+        ("SHA-256 of state.pt read back (hashlib)", t_hash, state_bytes, f"{state_bytes / 1e6 / t_hash / disk:.2f}"),
         ("disk: plain copy of state.pt + fsync", t_copy, state_bytes, "1.00"),
     ]
     print(

@@ -8,12 +8,14 @@ Docs: https://cipher-nb.github.io/cipher_nb/checkpoint.html.md"""
 __all__ = ['MARKER', 'META', 'STATE', 'SHARDED', 'EXPORT_WEIGHTS', 'EXPORT_CONFIG', 'FORMAT', 'CheckpointError',
            'UnsafeCheckpointError', 'ResumeError', 'StageError', 'checkpoint_name', 'checkpoint_step', 'is_complete',
            'list_checkpoints', 'fsync_dir', 'write_durable', 'write_json_atomic', 'first_sentence', 'safe_load',
-           'check_plain', 'write_marker', 'utc_now', 'verify_checkpoint', 'split_tensors', 'merge_tensors', 'dcp_save',
-           'dcp_load', 'dist_info', 'has_dtensor', 'install_dir', 'fresh_tmp_dir', 'commit_checkpoint',
-           'save_checkpoint', 'read_meta', 'load_checkpoint', 'CheckpointWarning', 'latest_checkpoint',
-           'prune_checkpoints', 'is_subclass_state', 'host_subclass', 'host_copy', 'copy_checkpoint', 'load_exported']
+           'check_plain', 'CheckpointWarning', 'UnverifiedWarning', 'write_marker', 'utc_now', 'marker_sums',
+           'changed_file', 'note_unverified', 'verify_checkpoint', 'split_tensors', 'merge_tensors', 'dcp_save',
+           'dcp_load', 'dist_info', 'has_dtensor', 'install_dir', 'install_marked', 'fresh_tmp_dir',
+           'commit_checkpoint', 'save_checkpoint', 'read_meta', 'load_checkpoint', 'latest_checkpoint',
+           'prune_checkpoints', 'is_subclass_state', 'copy_checkpoint', 'load_exported']
 
 # %% ../nbs/09_checkpoint.ipynb #b09f311a
+import hashlib
 import io
 import json
 import os
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .checksum import HashingWriter, copy_hashed, file_sha256
 from .core import dist_env
 from .faults import save_fault_armed, save_fault_point
 
@@ -90,12 +93,13 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def write_durable(path, data: bytes):
-    "Write `data` to `path` and flush it to disk."
+def write_durable(path, data: bytes) -> str:
+    "Write `data` to `path` and flush it to disk; return its SHA-256 (what a marker records)."
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
 
 
 def write_json_atomic(path, obj):
@@ -177,6 +181,14 @@ def check_plain(tree, path: str = "state"):
         )
 
 # %% ../nbs/09_checkpoint.ipynb #7b09bbf2
+class CheckpointWarning(UserWarning):
+    "A checkpoint was skipped (damaged) and an older one is used instead."
+
+
+class UnverifiedWarning(CheckpointWarning):
+    "A checkpoint whose marker predates checksums was used: its sizes were checked, its bytes were not."
+
+
 def _files(path) -> dict:
     path = Path(path)
     return {
@@ -186,11 +198,13 @@ def _files(path) -> dict:
     }
 
 
-def write_marker(path, **info):
-    "Mark the checkpoint directory `path` complete, recording the size of each of its files (and `info`)."
-    path = Path(path)
+def write_marker(path, sums: dict | None = None, **info):
+    "Mark the directory `path` complete: each file's size and SHA-256 (from `sums` when known, else read here), `info`."
+    path, sums = Path(path), sums or {}
+    files = _files(path)
+    sha = {rel: sums.get(rel) or file_sha256(path / rel) for rel in files}
     tmp = path / f".{MARKER}.tmp"
-    write_durable(tmp, json.dumps(dict(files=_files(path), time=utc_now(), **info), indent=1).encode())
+    write_durable(tmp, json.dumps(dict(files=files, sha256=sha, time=utc_now(), **info), indent=1).encode())
     os.replace(tmp, path / MARKER)  # the marker itself appears whole or not at all
     fsync_dir(path)
 
@@ -199,9 +213,37 @@ def utc_now() -> str:
     "Now, in UTC, to the second (ISO 8601): the time stamp of markers, metadata and run records."
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
+# %% ../nbs/09_checkpoint.ipynb #c765462f
+_unverified_noted = set()  # checkpoints already reported as loaded without checksums, once per process
 
-def verify_checkpoint(path, deep: bool = False) -> dict:
-    "Check a checkpoint against its marker (files present, sizes equal; `deep`: zip CRCs too); return the marker."
+
+def marker_sums(marker: dict) -> dict:
+    "The SHA-256 of each file a marker vouches for (an export before checksums kept some under `extras`)."
+    return {**marker.get("extras", {}), **marker.get("sha256", {})}
+
+
+def changed_file(f) -> str:
+    "The message for a file whose bytes differ from its checksum."
+    return (
+        f"{f}: its SHA-256 does not match the marker's: the file changed after it was written (a flipped bit on disk, "
+        "a bad copy, an edit); use an earlier checkpoint or an intact copy"
+    )
+
+
+def note_unverified(path, marker: dict):
+    "Warn once per checkpoint when its marker records no checksum for some files."
+    bare = [rel for rel in marker["files"] if rel not in marker_sums(marker)]
+    if bare and str(Path(path).resolve()) not in _unverified_noted:
+        _unverified_noted.add(str(Path(path).resolve()))
+        warnings.warn(
+            f"{path}: its marker predates checksums (sizes only): {len(bare)} files used without verifying their bytes",
+            UnverifiedWarning,
+            stacklevel=3,
+        )
+
+
+def verify_checkpoint(path, deep: bool = False, checksums: bool = True) -> dict:
+    "Check a checkpoint against its marker (files present, sizes, SHA-256s; `deep`: zip CRCs too); return the marker."
     path = Path(path)
     if not is_complete(path):
         raise CheckpointError(
@@ -220,6 +262,11 @@ def verify_checkpoint(path, deep: bool = False) -> dict:
                 f"{f}: {f.stat().st_size} bytes where the marker recorded {size}: truncated or damaged; "
                 "use an earlier checkpoint"
             )
+    sums = marker_sums(marker)
+    for rel in marker["files"]:
+        f = path / rel
+        if checksums and rel in sums and file_sha256(f) != sums[rel]:
+            raise CheckpointError(changed_file(f))
         if deep and f.suffix == ".pt":
             try:
                 bad = zipfile.ZipFile(f).testzip()
@@ -227,6 +274,8 @@ def verify_checkpoint(path, deep: bool = False) -> dict:
                 bad = str(e)
             if bad:
                 raise CheckpointError(f"{f}: record {bad} fails its CRC check: damaged; use an earlier checkpoint")
+    if checksums:
+        note_unverified(path, marker)
     return marker
 
 # %% ../nbs/09_checkpoint.ipynb #aa0cce42
@@ -403,16 +452,50 @@ def install_dir(tmp: Path, path: Path):
         shutil.rmtree(old)
     if path.exists():
         os.rename(path, old)
-    os.rename(tmp, path)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if old.exists() and not path.exists():
+            os.rename(old, path)  # the old one is the real one again
+        raise
     fsync_dir(path.parent)
     return old
 
 
-def _write_state(file: Path, state: dict):
+def install_marked(tmp: Path, path: Path, sums: dict | None = None, fault: bool = False, **info) -> Path:
+    "Install `tmp` as `path`, then mark it; if either fails, `tmp` is gone and the previous `path` is back as it was."
+    try:
+        old = install_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        if fault:
+            save_fault_point("marker")
+        write_marker(path, sums, **info)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)  # renamed but never marked: it never was a checkpoint
+        if old.exists():
+            os.rename(old, path)
+        raise
+    if old.exists():
+        shutil.rmtree(old)
+    return path
+
+
+def _write_state(file: Path, state: dict) -> str:
+    "Write `state` with `torch.save`, flushed to disk; return the SHA-256 of the bytes as they were written."
     with open(file, "wb") as f:
-        torch.save(state, _FaultTap(f) if save_fault_armed() else f)
+        w = HashingWriter(_FaultTap(f) if save_fault_armed() else f)
+        try:
+            torch.save(state, w)
+        except RuntimeError:
+            if w.error is not None:
+                raise w.error from None  # a full disk, not torch's "unexpected pos"
+            raise
         f.flush()
         os.fsync(f.fileno())
+    return w.hexdigest()
 
 
 def fresh_tmp_dir(path: Path) -> Path:
@@ -426,18 +509,18 @@ def fresh_tmp_dir(path: Path) -> Path:
 
 
 def commit_checkpoint(tmp: Path, path: Path, state: dict, meta: dict | None):
-    "Rank 0: write the replicated state and the meta into `tmp`, make it durable, install it as `path`, then mark it."
-    _write_state(tmp / STATE, state)
-    write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
-    if (tmp / SHARDED).is_dir():
-        fsync_dir(tmp / SHARDED)
-    fsync_dir(tmp)
-    save_fault_point("rename")
-    old = install_dir(tmp, path)
-    save_fault_point("marker")
-    write_marker(path, step=(meta or {}).get("step"))
-    if old.exists():
-        shutil.rmtree(old)
+    "Rank 0: write the state and meta into `tmp`, flush, install it as `path` and mark it; a failure leaves no `tmp`."
+    try:
+        sums = {STATE: _write_state(tmp / STATE, state)}
+        sums[META] = write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
+        if (tmp / SHARDED).is_dir():
+            fsync_dir(tmp / SHARDED)  # DCP's shards are hashed by the marker, after DCP wrote them
+        fsync_dir(tmp)
+        save_fault_point("rename")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    install_marked(tmp, path, sums, fault=True, step=(meta or {}).get("step"))
 
 # %% ../nbs/09_checkpoint.ipynb #0de5a6ec
 def save_checkpoint(path, state: dict, meta: dict | None = None, sharded=()) -> Path:
@@ -449,13 +532,18 @@ def save_checkpoint(path, state: dict, meta: dict | None = None, sharded=()) -> 
     if not sharded and rank != 0:
         return path
     tmp = fresh_tmp_dir(path) if rank == 0 else path.with_name(f".tmp-{path.name}")
-    if sharded:
-        _barrier()  # the directory exists before any rank writes into it
-        skeleton, flat = split_tensors({k: state[k] for k in sharded})
-        dcp_save(flat, tmp / SHARDED)
-        state = {**{k: v for k, v in state.items() if k not in sharded}, "_sharded": skeleton}
-    if rank == 0:
-        commit_checkpoint(tmp, path, state, meta)
+    try:
+        if sharded:
+            _barrier()  # the directory exists before any rank writes into it
+            skeleton, flat = split_tensors({k: state[k] for k in sharded})
+            dcp_save(flat, tmp / SHARDED)
+            state = {**{k: v for k, v in state.items() if k not in sharded}, "_sharded": skeleton}
+        if rank == 0:
+            commit_checkpoint(tmp, path, state, meta)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if sharded:
         _barrier()  # no rank reads or prunes before the marker exists
     return path
@@ -498,10 +586,6 @@ def load_checkpoint(path, template: dict | None = None, keys=None, mmap: bool = 
     return state
 
 # %% ../nbs/09_checkpoint.ipynb #50133c3a
-class CheckpointWarning(UserWarning):
-    "A checkpoint was skipped (damaged) and an older one is used instead."
-
-
 def latest_checkpoint(run_dir, deep: bool = False) -> Path | None:
     "The newest complete, undamaged step checkpoint of a run (by step number) or None; damaged ones warn."
     root = Path(run_dir)
@@ -553,77 +637,29 @@ def is_subclass_state(t) -> bool:
 
     return is_traceable_wrapper_subclass(t.to_local() if isinstance(t, DTensor) else t)
 
-
-def host_subclass(t):
-    "A host copy of a tensor subclass (or a DTensor of one): the same class rebuilt from copies of its inner tensors."
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if isinstance(t, DTensor):  # DTensor.from_local would move the copy back to the mesh's device
-        return DTensor(host_subclass(t.to_local()), t._spec, requires_grad=False)
-    names, ctx = t.__tensor_flatten__()
-    inner = {}
-    for n in names:
-        x = getattr(t, n)
-        inner[n] = host_subclass(x) if is_traceable_wrapper_subclass(x) else x.detach().to("cpu", copy=True)
-    return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
-
-# %% ../nbs/09_checkpoint.ipynb #877b7368
-def host_copy(tree, cache: dict | None = None):
-    "A copy of `tree` in host memory (pinned for GPU tensors), reusing `cache`'s buffers; shared tensors stay shared."
-    memo, on_gpu = {}, [False]
-
-    def copy(t, path):
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
-        if key in memo:
-            return memo[key]
-        gpu = t.device.type != "cpu"
-        buf = None if cache is None else cache.get(path)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != t.stride():
-            buf = torch.empty_like(t, device="cpu", pin_memory=gpu)
-            if cache is not None:
-                cache[path] = buf
-        buf.copy_(t.detach(), non_blocking=gpu)
-        on_gpu[0] |= gpu
-        memo[key] = buf
-        return buf
-
-    def walk(x, path):
-        if isinstance(x, torch.Tensor):
-            return host_subclass(x) if is_subclass_state(x) else copy(x, path)
-        if isinstance(x, dict):
-            return {k: walk(v, f"{path}/{k}") for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v, f"{path}/{i}") for i, v in enumerate(x))
-        return x
-
-    out = walk(tree, "")
-    if on_gpu[0]:
-        torch.cuda.synchronize()
-    return out
-
 # %% ../nbs/09_checkpoint.ipynb #b4cb7714
 def copy_checkpoint(src, dst) -> Path:
-    "Copy a complete checkpoint to `dst` (e.g. on a persistent volume) with the same temporary-rename-marker steps."
+    "Copy a complete checkpoint to `dst` (a persistent volume) as a save writes one, checking each file's checksum."
     src, dst = Path(src), Path(dst)
-    verify_checkpoint(src)
+    marker = verify_checkpoint(src, checksums=False)  # present, full size: the bytes are checked as they are copied
+    sums, copied = marker_sums(marker), {}
     tmp = dst.with_name(f".tmp-{dst.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    for f in sorted(src.rglob("*")):
-        if f.is_file() and f.name != MARKER:
-            out = tmp / f.relative_to(src)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, out)
-            with open(out, "rb+") as h:
-                os.fsync(h.fileno())
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fsync_dir(tmp)
-    old = install_dir(tmp, dst)
-    write_marker(dst, **{k: v for k, v in json.loads((src / MARKER).read_text()).items() if k not in ("files", "time")})
-    if old.exists():
-        shutil.rmtree(old)
-    return dst
+    try:
+        tmp.mkdir(parents=True)
+        for rel in marker["files"]:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            copied[rel] = copy_hashed(src / rel, tmp / rel)
+            if rel in sums and copied[rel] != sums[rel]:
+                raise CheckpointError(changed_file(src / rel) + f"; nothing was copied to {dst}")
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    note_unverified(src, marker)  # a source without checksums: its copy records those of the bytes copied
+    info = {k: v for k, v in marker.items() if k not in ("files", "sha256", "extras", "time")}
+    return install_marked(tmp, dst, copied, **info)
 
 # %% ../nbs/09_checkpoint.ipynb #231da5d1
 def load_exported(path) -> dict:

@@ -6,11 +6,10 @@ Docs: https://cipher-nb.github.io/cipher_nb/export.html.md"""
 
 # %% auto #0
 __all__ = ['CODEC_FILE', 'TOKENIZER_FILE', 'CHAT_TEMPLATE_FILE', 'CARD_FILE', 'CODEC_CHAT_TEMPLATE', 'CARD_LIMITATIONS',
-           'tied_names', 'file_sha256', 'compare_state_dicts', 'byte_codec_spec', 'write_codec_files',
-           'chat_template_source', 'model_card', 'export_model', 'export_dir', 'export_codec', 'load']
+           'tied_names', 'compare_state_dicts', 'byte_codec_spec', 'write_codec_files', 'chat_template_source',
+           'model_card', 'export_model', 'export_dir', 'export_codec', 'load']
 
 # %% ../nbs/09c_export.ipynb #f3b0b16a
-import hashlib
 import json
 import os
 import shutil
@@ -29,13 +28,13 @@ from cipher_nb.checkpoint import (
     CheckpointWarning,
     dist_info,
     fsync_dir,
-    install_dir,
+    install_marked,
     load_exported,
     verify_checkpoint,
     write_durable,
-    write_marker,
 )
 from .checkpointer import is_sharded, load_weights
+from .checksum import file_sha256
 from .codecs import ByteCodec, TokenizerCodec
 from .config import config_from_dict
 from .model import CipherModel
@@ -58,15 +57,6 @@ def tied_names(source) -> dict:
         else:
             seen[key] = name
     return ties
-
-
-def file_sha256(path, chunk: int = 1 << 22) -> str:
-    "SHA-256 of a file, read in chunks."
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
 
 
 def compare_state_dicts(a: dict, b: dict) -> list:
@@ -297,42 +287,38 @@ def export_model(
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in sd.items() if k not in ties}
-    ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
-    tensors = {k: t.clone() if ptrs.count(t.untyped_storage().data_ptr()) > 1 else t for k, t in tensors.items()}
-    save_file(tensors, tmp / EXPORT_WEIGHTS, metadata=dict(format="pt", tied=json.dumps(ties)))
-    n_params = sum(t.numel() for t in tensors.values())
-    write_durable(
-        tmp / EXPORT_CONFIG,
-        json.dumps(
-            dict(
-                format=f"cipher_nb/{FORMAT}",
-                config=config,
-                codec=codec,
-                tied=ties,
-                n_tensors=len(tensors),
-                n_params=n_params,
-            ),
-            indent=1,
-            default=str,
-        ).encode(),
-    )
-    write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
-    extras = _write_extras(tmp, config, codec, _run_record(out_dir) if record is None else record, n_params)
-    with open(tmp / EXPORT_WEIGHTS, "rb+") as h:
-        os.fsync(h.fileno())
-    problems = compare_state_dicts(sd, load_exported(tmp))
-    if problems:
-        shutil.rmtree(tmp)
-        raise CheckpointError(f"export to {out_dir} failed its round trip ({len(problems)} tensors): {problems[:5]}")
-    hashes = {f: file_sha256(tmp / f) for f in (EXPORT_WEIGHTS, EXPORT_CONFIG, META)}  # what the run record keeps
-    fsync_dir(tmp)
-    old = install_dir(tmp, out_dir)
-    write_marker(out_dir, sha256=hashes, extras={f: file_sha256(out_dir / f) for f in extras}, tensors_checked=len(sd))
-    if old.exists():
-        shutil.rmtree(old)
-    return hashes
+    try:
+        tmp.mkdir(parents=True)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in sd.items() if k not in ties}
+        ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
+        tensors = {k: t.clone() if ptrs.count(t.untyped_storage().data_ptr()) > 1 else t for k, t in tensors.items()}
+        save_file(tensors, tmp / EXPORT_WEIGHTS, metadata=dict(format="pt", tied=json.dumps(ties)))
+        n_params = sum(t.numel() for t in tensors.values())
+        header = dict(
+            format=f"cipher_nb/{FORMAT}",
+            config=config,
+            codec=codec,
+            tied=ties,
+            n_tensors=len(tensors),
+            n_params=n_params,
+        )
+        sums = {EXPORT_CONFIG: write_durable(tmp / EXPORT_CONFIG, json.dumps(header, indent=1, default=str).encode())}
+        sums[META] = write_durable(tmp / META, json.dumps(dict(meta or {}), indent=1, default=str).encode())
+        _write_extras(tmp, config, codec, _run_record(out_dir) if record is None else record, n_params)
+        with open(tmp / EXPORT_WEIGHTS, "rb+") as h:
+            os.fsync(h.fileno())
+        problems = compare_state_dicts(sd, load_exported(tmp))
+        if problems:
+            raise CheckpointError(
+                f"export to {out_dir} failed its round trip ({len(problems)} tensors): {problems[:5]}"
+            )
+        sums[EXPORT_WEIGHTS] = file_sha256(tmp / EXPORT_WEIGHTS)  # of the bytes just compared tensor by tensor
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    install_marked(tmp, out_dir, sums, tensors_checked=len(sd))  # the marker hashes the card and codec files
+    return {f: sums[f] for f in (EXPORT_WEIGHTS, EXPORT_CONFIG, META)}  # what the run record keeps
 
 # %% ../nbs/09c_export.ipynb #c8d45327
 def export_dir(path) -> Path:
@@ -365,7 +351,7 @@ def export_codec(path):
 def load(path, device="cpu") -> tuple:
     "`(model, codec)` from a self-contained export or a run directory: the model in eval mode on `device`."
     path = export_dir(path)
-    verify_checkpoint(path)  # every file the marker lists, at its size
+    verify_checkpoint(path)  # every file the marker lists, at its size and SHA-256 (load_weights finds them checked)
     cfg = config_from_dict(json.loads((path / EXPORT_CONFIG).read_text())["config"])
     model = CipherModel(cfg.model)
     load_weights(path, model)

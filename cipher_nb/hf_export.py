@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/hf_export.html.md"""
 # %% auto #0
 __all__ = ['HF_ARCHITECTURES', 'HF_LATENT_NORM_EPS', 'FORMATS', 'UnmappableConfig', 'hf_architecture', 'hf_config',
            'interleaved_rope_rows', 'latent_attention_tensors', 'hf_state_dict', 'byte_tokenizer', 'hf_tokenizer',
-           'export_hf', 'hf_logits_gap', 'check_hf_export', 'cipher_export']
+           'export_hf', 'hf_logits_gap', 'check_hf_export', 'export_target', 'writer_of', 'write_hf', 'cipher_export']
 
 # %% ../nbs/12b_hf_export.ipynb #16c06d7f
 import copy
@@ -19,9 +19,12 @@ from pathlib import Path
 import torch
 from fastcore.script import CliError, call_parse
 
+from .checkpoint import MARKER, CheckpointError, install_dir, is_complete
 from .codecs import SPECIALS, ByteCodec, byte_alphabet, special_token
 from .config import ModelConfig
+from .evaluate import refuse
 from .export import CARD_FILE, CHAT_TEMPLATE_FILE, export_dir, load
+from .runlock import RunLock
 
 # %% ../nbs/12b_hf_export.ipynb #cbf13ad8
 HF_ARCHITECTURES = (
@@ -314,6 +317,55 @@ def check_hf_export(model, out_dir, tol: float = 1e-4, n: int = 64, seed: int = 
         raise RuntimeError(f"{out_dir}: transformers' logits differ from cipher_nb's by {gap:.3g} (> {tol})")
     return gap
 
+# %% ../nbs/12b_hf_export.ipynb #5782e164
+def export_target(src, out, force: bool = False) -> Path:
+    "The folder `cipher-export` may write: no checkpoint, export or run's checkpoints; a non-empty one only if `force`."
+    src, out = Path(src).resolve(), Path(out).resolve()
+    marked = next((p for p in (out, *out.parents) if is_complete(p)), None)
+    if marked is not None:
+        what = "the export being read" if marked == src else f"a checkpoint or export (it has a {MARKER} marker)"
+        where = "" if marked == out else f" inside {marked},"
+        raise ValueError(f"{out} is{where} {what}: writing there would change it; choose another OUT")
+    ckpts = src.parent / "checkpoints"
+    if out == ckpts or ckpts in out.parents:
+        raise ValueError(f"{out} is inside the run's checkpoints ({ckpts}): choose an OUT outside them")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file: give a folder to write")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ValueError(
+                f"{out} is not empty: choose a new or empty folder, or pass --force to replace its contents"
+            )
+        if out in src.parents or next(out.rglob(MARKER), None) is not None:
+            raise ValueError(f"{out} holds checkpoints or exports: --force would delete them; choose another OUT")
+    return out
+
+# %% ../nbs/12b_hf_export.ipynb #3d2f9b44
+def writer_of(out) -> Path:
+    "The directory whose one-writer lock a write to `out` takes: the run `out` lies in, else `out` itself."
+    out = Path(out).absolute()
+    return next((p for p in out.parents if (p / "config.yaml").is_file() and (p / "checkpoints").is_dir()), out)
+
+# %% ../nbs/12b_hf_export.ipynb #4c5f05b4
+def write_hf(src: Path, out: Path) -> str:
+    "Load the export `src` (every file checked), write its `transformers` form beside `out`, then move it into place."
+    model, codec = load(src)  # every file checked against its SHA-256
+    hf_architecture(model.cfg)  # refuse before writing anything
+    tmp = out.with_name(f".tmp-{out.name}")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tpl = src / CHAT_TEMPLATE_FILE
+        arch = export_hf(model, codec, tmp, tpl.read_text() if tpl.is_file() else None)
+        if (src / CARD_FILE).is_file():
+            note = f"This folder is the `{arch}` form of the export above, written by `cipher-export`."
+            (tmp / CARD_FILE).write_text((src / CARD_FILE).read_text() + f"\n## transformers\n\n{note}\n")
+        shutil.rmtree(install_dir(tmp, out), ignore_errors=True)  # a replaced OUT goes once the new one is in place
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return arch
+
 # %% ../nbs/12b_hf_export.ipynb #e23b089b
 FORMATS = ("hf",)
 
@@ -323,22 +375,20 @@ def cipher_export(
     run: str,  # a run directory (its final/ is exported) or an export folder
     out: str,  # the folder to write
     format: str = "hf",  # hf: a transformers checkpoint and tokenizer (AutoModelForCausalLM.from_pretrained(out))
+    force: bool = False,  # replace a non-empty OUT's contents (never a checkpoint, an export or a folder holding one)
 ):
-    "Write a cipher_nb export in another format: `cipher-export RUN --format hf OUT`."
+    """Write a cipher_nb export in another format: `cipher-export RUN --format hf OUT`.
+    Exit codes: 0 written, 1 the written checkpoint failed its check, 2 bad input or OUT refused (nothing written)."""
     if format not in FORMATS:
-        raise CliError(f"cipher-export: --format {format!r} unknown: choose one of {', '.join(FORMATS)}")
+        refuse(cipher_export, f"--format {format!r} unknown: choose one of {', '.join(FORMATS)}")
     try:
         src = export_dir(run)
-        model, codec = load(src)
-        hf_architecture(model.cfg)  # refuse before writing anything
-        tpl = src / CHAT_TEMPLATE_FILE
-        arch = export_hf(model, codec, out, tpl.read_text() if tpl.is_file() else None)
-    except (UnmappableConfig, FileNotFoundError, ValueError, RuntimeError) as e:
+        out = export_target(src, out, force)
+        with RunLock(writer_of(out)):  # a run directory, or OUT itself, has one writer
+            arch = write_hf(src, out)
+    except (CheckpointError, UnmappableConfig, FileNotFoundError, ValueError) as e:
+        refuse(cipher_export, e)
+    except RuntimeError as e:
         raise CliError(f"cipher-export: {e}") from None
-    if (src / CARD_FILE).is_file():
-        note = (
-            f"\n## transformers\n\nThis folder is the `{arch}` form of the export above, written by `cipher-export`.\n"
-        )
-        (Path(out) / CARD_FILE).write_text((src / CARD_FILE).read_text() + note)
     print(f"cipher-export: {arch} written to {out} (AutoModelForCausalLM.from_pretrained('{out}'))")
     return arch

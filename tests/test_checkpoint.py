@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,15 @@ from torch import nn
 
 from cipher_nb.checkpoint import (
     EXPORT_WEIGHTS,
+    MARKER,
     STATE,
     CheckpointError,
     CheckpointWarning,
     ResumeError,
     StageError,
     UnsafeCheckpointError,
+    UnverifiedWarning,
+    copy_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -29,12 +33,13 @@ from cipher_nb.checkpoint import (
     read_meta,
     safe_load,
     save_checkpoint,
+    verify_checkpoint,
     write_marker,
 )
 from cipher_nb.checkpointer import Checkpointer, checkpoint_meta, load_weights, restore_training_state, training_state
 from cipher_nb.config import load_config
 from cipher_nb.export import compare_state_dicts, export_model
-from cipher_nb.faults import SAVE_POINTS
+from cipher_nb.faults import SAVE_POINTS, arm_save_fault, disarm_save_fault
 from cipher_nb.stages import check_init_source, check_resume
 
 SAVE_TWO = """
@@ -127,15 +132,121 @@ def test_truncated_checkpoint_clear_error_and_auto_resume_falls_back(tmp_path):
         safe_load(g)
 
 
-def test_flipped_byte_found_by_deep_check(tmp_path):
+def flip_byte(f, at=None):
+    "Change one byte of `f` (the middle by default), keeping its size."
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2 if at is None else at] ^= 0x55
+    f.write_bytes(raw)
+
+
+def test_flipped_byte_is_refused_by_name_and_skipped_by_latest(tmp_path):
     root = _three(tmp_path)
     f = root / "checkpoints" / "step_0000003" / STATE
-    raw = bytearray(f.read_bytes())
-    raw[-2000] ^= 0x55
-    f.write_bytes(raw)
-    assert latest_checkpoint(root).name == "step_0000003"  # same size: the cheap check passes
-    with pytest.warns(CheckpointWarning, match="CRC"):
-        assert latest_checkpoint(root, deep=True).name == "step_0000002"
+    flip_byte(f)
+    with pytest.raises(CheckpointError, match=r"step_0000003/state\.pt: its SHA-256 does not match the marker's"):
+        load_checkpoint(f.parent)
+    with pytest.warns(CheckpointWarning, match=r"skipping damaged checkpoint step_0000003: .*SHA-256 does not match"):
+        assert latest_checkpoint(root).name == "step_0000002"
+    with pytest.raises(CheckpointError, match="fails its CRC check"):  # the deep check, all an old marker offers
+        verify_checkpoint(f.parent, deep=True, checksums=False)
+
+
+def test_an_old_marker_loads_with_one_note(tmp_path):
+    root = _three(tmp_path)
+    ck = root / "checkpoints" / "step_0000003"
+    m = json.loads((ck / MARKER).read_text())
+    (ck / MARKER).write_text(json.dumps(dict(files=m["files"], time=m["time"], step=3)))  # sizes only
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert latest_checkpoint(root).name == "step_0000003"
+        assert torch.equal(load_checkpoint(ck)["w"], torch.full((4096,), 3.0))
+        load_checkpoint(ck)
+    assert [x.category for x in w] == [UnverifiedWarning], [str(x.message) for x in w]
+    assert "step_0000003: its marker predates checksums (sizes only)" in str(w[0].message)
+
+
+def test_a_resume_reads_each_file_once(tmp_path, monkeypatch):
+    import hashlib
+
+    import cipher_nb.checksum as cs
+
+    p, _ = _pretrain_ckpt(tmp_path, "fp")
+    monkeypatch.setattr(cs, "SETTLED_S", -1.0)  # as if the files were written long ago
+    hashed = []
+    real = hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda *a: hashed.append(1) or real(*a))
+    assert latest_checkpoint(p.parent) == p  # what cipher-train --resume auto does: find, restore, read the trainer
+    restore_training_state(p, nn.Linear(4, 4))
+    load_checkpoint(p, keys=("step",))
+    assert len(hashed) == 2  # state.pt and meta.json, once each
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
+@pytest.mark.parametrize("point", SAVE_POINTS)
+def test_a_full_disk_at_each_save_point_keeps_the_previous_checkpoint(tmp_path, point, background):
+    ck = Checkpointer(tmp_path, keep_last=3, background=background)
+    ck.save(1, dict(w=torch.full((1000,), 1.0)), dict(step=1))
+    ck.save_best(dict(w=torch.full((1000,), 1.0)), dict(step=1), 2.0)
+    ck.wait()
+    for save in (
+        lambda: ck.save(2, dict(w=torch.zeros(200_000)), dict(step=2)),
+        lambda: ck.save_best(dict(w=torch.zeros(200_000)), dict(step=2), 1.0),
+    ):
+        arm_save_fault(point, "enospc")
+        try:
+            with pytest.raises((OSError, CheckpointError), match="No space left on device"):
+                save()
+                ck.wait()
+        finally:
+            disarm_save_fault()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_0000001"]  # no .tmp-, no .old-
+        assert latest_checkpoint(tmp_path).name == "step_0000001"
+        for name in ("step_0000001", "best"):
+            verify_checkpoint(tmp_path / name)
+            assert torch.equal(load_checkpoint(tmp_path / name)["w"], torch.full((1000,), 1.0))
+
+
+def test_copy_of_a_changed_checkpoint_is_refused_and_writes_no_mirror(tmp_path):
+    root = _three(tmp_path)
+    src = root / "checkpoints" / "step_0000003"
+    copy_checkpoint(src, tmp_path / "vol" / "step_0000003")
+    first = json.loads((tmp_path / "vol" / "step_0000003" / MARKER).read_text())
+    assert first["sha256"] == json.loads((src / MARKER).read_text())["sha256"]
+    flip_byte(src / STATE)
+    with pytest.raises(CheckpointError, match=r"step_0000003/state\.pt: its SHA-256 does not match"):
+        copy_checkpoint(src, tmp_path / "vol" / "step_0000004")
+    with pytest.raises(CheckpointError, match="SHA-256 does not match"):
+        copy_checkpoint(src, tmp_path / "vol" / "step_0000003")  # over the good copy: it stays
+    assert sorted(p.name for p in (tmp_path / "vol").iterdir()) == ["step_0000003"]
+    verify_checkpoint(tmp_path / "vol" / "step_0000003")
+
+
+def test_a_full_disk_while_mirroring_or_exporting_keeps_the_previous_one(tmp_path, monkeypatch):
+    import errno
+
+    import cipher_nb.checkpoint as ckpt
+    import cipher_nb.export as ex
+
+    root = _three(tmp_path)
+    copy_checkpoint(root / "checkpoints" / "step_0000002", tmp_path / "vol" / "step_0000002")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "copy_hashed", full)
+        with pytest.raises(OSError, match="No space"):
+            copy_checkpoint(root / "checkpoints" / "step_0000003", tmp_path / "vol" / "step_0000002")
+    assert sorted(p.name for p in (tmp_path / "vol").iterdir()) == ["step_0000002"]
+    assert torch.equal(load_checkpoint(tmp_path / "vol" / "step_0000002")["w"], torch.full((4096,), 2.0))
+    export_model(TiedLM(), tmp_path / "final", config={}, codec={})
+    before = verify_checkpoint(tmp_path / "final")["sha256"]
+    with monkeypatch.context() as m:
+        m.setattr(ex, "file_sha256", full)  # after the weights were written and compared
+        with pytest.raises(OSError, match="No space"):
+            export_model(TiedLM(), tmp_path / "final", config={}, codec={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "run", "vol"]
+    assert verify_checkpoint(tmp_path / "final")["sha256"] == before
 
 
 def test_unsafe_pickle_is_refused_and_never_runs(tmp_path):
@@ -257,9 +368,27 @@ def test_export_round_trip_with_tied_weights(tmp_path):
     assert compare_state_dicts(model.state_dict(), fresh.state_dict()) == []
     assert json.loads((final / "config.json").read_text())["tied"] == {"lm_head.weight": "embed.weight"}
     assert read_meta(final)["stage"] == "pretrain"
+    flip_byte(final / EXPORT_WEIGHTS, at=-3)  # one byte of the last float: same size, still a safetensors file
+    assert load_exported(final)["block.bias"] is not None  # the file alone does not tell
+    with pytest.raises(CheckpointError, match=r"final/model\.safetensors: its SHA-256 does not match the marker's"):
+        load_weights(final, TiedLM())
     (final / EXPORT_WEIGHTS).write_bytes((final / EXPORT_WEIGHTS).read_bytes()[:50])
     with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         load_exported(final)
+
+
+def test_a_changed_export_is_refused_by_load(tmp_path):
+    from cipher_nb.export import load
+    from cipher_nb.model import CipherModel
+
+    cfg = load_config(
+        None, ["model.d_model=32", "model.n_layers=1", "model.moe.n_routed=2", "model.moe.expert_d_ff=16"]
+    )
+    export_model(CipherModel(cfg.model), tmp_path / "final", config=cfg.to_dict(), codec=dict(kind="bytes"))
+    load(tmp_path)
+    flip_byte(tmp_path / "final" / EXPORT_WEIGHTS)
+    with pytest.raises(CheckpointError, match=r"final/model\.safetensors: its SHA-256 does not match the marker's"):
+        load(tmp_path)
 
 
 def test_export_round_trip_failure_is_reported(tmp_path, monkeypatch):

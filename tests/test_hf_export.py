@@ -186,6 +186,21 @@ def test_unmappable_configs_are_refused_with_the_field_named(tmp_path, overrides
     assert not (tmp_path / "hf").exists()
 
 
+def test_cipher_export_checks_its_source_and_never_writes_into_it(tmp_path):
+    cfg = load_config(None, SMALL)
+    export_model(CipherModel(cfg.model), tmp_path / "run" / "final", config=cfg.to_dict(), codec=dict(kind="bytes"))
+    for out in ("run/final", "run/final/hf", "run"):
+        with pytest.raises(CliError, match="the export being read|--force"):
+            cipher_export(str(tmp_path / "run"), str(tmp_path / out))
+    w = tmp_path / "run" / "final" / "model.safetensors"
+    raw = bytearray(w.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    w.write_bytes(raw)
+    with pytest.raises(CliError, match=r"model\.safetensors: its SHA-256 does not match the marker's"):
+        cipher_export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written
+
+
 def test_the_check_fails_on_a_checkpoint_that_differs(tmp_path):
     cfg = load_config(None, SMALL)
     torch.manual_seed(3)
