@@ -123,7 +123,12 @@ class TokenizerCodec:
             raise FileNotFoundError(
                 f"tokenizer '{path}' does not exist: set data.tokenizer to a tokenizer.json, or make one with train_bpe"
             )
-        self.path, self.tok = path, Tokenizer.from_file(str(path))
+        try:
+            self.path, self.tok = path, Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ValueError(
+                f"tokenizer '{path}' cannot be read ({e}): give a tokenizer.json written by `cipher-tokenizer`"
+            ) from None
         missing = [special_token(n) for n in SPECIALS if self.tok.token_to_id(special_token(n)) is None]
         if missing:
             self.tok.add_special_tokens(missing)

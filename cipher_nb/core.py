@@ -63,7 +63,7 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device '{name}' asked for, but torch sees no CUDA GPU: use --device cpu or 'auto'")
+        raise ValueError(f"device '{name}' asked for, but torch sees no CUDA GPU: use --device cpu or 'auto'")
     return dev
 
 # %% ../nbs/00_core.ipynb #d5bc1ec0

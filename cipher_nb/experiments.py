@@ -10,7 +10,6 @@ __all__ = ['train_command', 'run_request', 'finished_run', 'run_once', 'run_stag
            'final_figures', 'ablation_table']
 
 # %% ../nbs/12a_experiments.ipynb #9e6c48bb
-import fcntl
 import itertools
 import json
 import re
@@ -18,7 +17,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ from . import checkpoint as ck
 from .config import Config, ConfigError, config_hash, load_config
 from .gate import read_metrics
 from .record import checkpoint_hash
+from .runlock import RunLock
 from .train import build_trainer, claim_run_dir, resolve_run
 
 # %% ../nbs/12a_experiments.ipynb #e46563d2
@@ -41,18 +40,6 @@ def train_command(config: str = None, overrides=(), **flags) -> str:
 
 # %% ../nbs/12a_experiments.ipynb #e48807b1
 _MARKER = "run_once.json"
-
-
-@contextmanager
-def _locked(path: Path):
-    "An exclusive lock on `path` (created if missing), held for the block: other processes wait."
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def run_request(cfg: Config) -> dict:
@@ -75,7 +62,7 @@ def finished_run(run_dir, cfg: Config) -> bool:
 def run_once(cfg: Config, run_dir, callbacks=(), progress: bool = False, command=None, overwrite: bool = False) -> Path:
     "Train `cfg` into `run_dir` (in process, or `command` as a subprocess) unless it already holds this finished run."
     run_dir = Path(run_dir)
-    with _locked(run_dir.parent / f".{run_dir.name}.lock"):
+    with RunLock(run_dir, wait=True):
         if finished_run(run_dir, cfg):
             print(f"{run_dir}: a finished run of this config is there: reused (overwrite=True trains it again)")
             for cb in callbacks:  # a dashboard shows the finished run instead of a live one

@@ -6,8 +6,9 @@
 #   MAX_RESTARTS=3 launch/supervise.sh cipher-train PRESET --out runs/a --resume auto [section.key=value ...]
 #
 # It follows cipher-train's exit codes: 0 (finished, or stopped cleanly by SIGTERM / SIGINT) ends the supervisor;
-# 1 (the run failed), 3 (out of memory) and a kill by a signal (status 128 + the signal's number) restart it; 2 (a
-# usage or config error: the same command would fail the same way) and any other status end it at once. The
+# 1 (the run failed, a full disk included), 3 (out of memory) and a kill by a signal (status 128 + the signal's number)
+# restart it; 2 (a usage or config error, or a run directory another live process is writing: the same command would
+# fail the same way) and any other status end it at once. The
 # supervisor leaves with the last attempt's status. Environment: MAX_RESTARTS (3), RESTART_DELAY (seconds, 0).
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: launch/supervise.sh COMMAND [ARGS...]" >&2; exit 2; }
