@@ -647,6 +647,13 @@ DISK = [
     ),
     # out of memory prints its advice on the lines after its first: the fixes in the order to try them
     Case(
+        "too many non-finite steps in a row",
+        _faulted("nonfinite@2", extra=["training.max_nonfinite=1"]),
+        1,
+        "non-finite steps in a row",
+        _complete("step_0000002"),
+    ),
+    Case(
         "out of memory (CUDA's error)", _faulted("oom@3"), 3, "training.parallel=fsdp", _complete("step_0000002"), False
     ),
     Case(
