@@ -1,5 +1,7 @@
 import os
+import signal
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,19 @@ def run_cli(*args, timeout=600, env=None, cwd=None):
 @pytest.fixture
 def root():
     return ROOT
+
+
+@contextmanager
+def deadline(seconds: int = 20):
+    "Fail with TimeoutError instead of hanging when the code inside loops for ever (what empty data once did)."
+
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s: an endless loop")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

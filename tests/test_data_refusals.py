@@ -3,10 +3,9 @@ path and the setting to change, and no stream spins for ever over documents that
 refusal of them, exit 2 with nothing written, is a row of tests/test_reliability.py.)"""
 
 import json
-import signal
-from contextlib import contextmanager
 
 import pytest
+from conftest import deadline
 
 import cipher_nb.data as D
 import cipher_nb.loader as L
@@ -20,22 +19,6 @@ def files_cfg(path, **data):
     for k, v in data.items():
         setattr(cfg.data, k, v)
     return cfg
-
-
-@contextmanager
-def deadline(seconds=20):
-    "Fail (TimeoutError) instead of hanging when the code inside loops for ever."
-
-    def expired(*_):
-        raise TimeoutError(f"still running after {seconds} s: an endless loop")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def one_file(tmp_path, text=b""):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import ROOT, SMALL_MODEL, run_cli
+from conftest import ROOT, SMALL_MODEL, deadline, run_cli
 
 TINY = [
     *SMALL_MODEL,
@@ -53,22 +53,6 @@ class Result:
         return lines[-1] if lines else ""
 
 
-@contextlib.contextmanager
-def hang_guard(seconds: int = 120):
-    "Fail with TimeoutError instead of hanging (what empty data did: a loop over nothing, for ever)."
-
-    def expired(signum, frame):
-        raise TimeoutError(f"no result after {seconds} s: the command hangs")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def in_process(*args) -> Result:
     "`cipher-train ARGS` through its own command-line parser, in this process: the exit code and stderr."
     from fastcore.script import parse_cli
@@ -78,7 +62,7 @@ def in_process(*args) -> Result:
     err = io.StringIO()
     argv, sys.argv = sys.argv, ["cipher-train", *map(str, args)]
     code = 0
-    with warnings.catch_warnings(record=True) as warned, hang_guard():  # a process prints warnings: so does this
+    with warnings.catch_warnings(record=True) as warned, deadline(120):  # a process prints warnings: so does this
         warnings.simplefilter("always")
         try:
             with contextlib.redirect_stderr(err):
@@ -107,8 +91,8 @@ def started(*args, wait_for: str, cmd="cipher-train", timeout=120):
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
     )
-    seen, deadline = [], time.time() + timeout
-    while time.time() < deadline:
+    seen, until = [], time.time() + timeout
+    while time.time() < until:
         line = p.stderr.readline()
         if not line and p.poll() is not None:
             break
@@ -480,17 +464,23 @@ DIRS = [
 # ------------------------------------------------------------------------------------------------ concurrent writers
 
 
-def _second_writer(*extra):
-    def run(tmp, base):
-        out = tmp / "run"
-        p, seen = started("--out", out, *TINY, "--max-steps", "4", "--fault", "stall@2", wait_for="training ")
+@contextlib.contextmanager
+def live_run(out: Path):
+    "A run that holds `out`: its checkpoint of step 2 is written, then it stalls until the block ends (SIGKILL)."
+    p, _ = started("--out", out, *TINY, "--max-steps", "4", "--fault", "stall@2", wait_for="training ")
+    try:
         while not (out / "checkpoints/step_0000002/COMPLETE").exists() and p.poll() is None:
             time.sleep(0.05)
-        try:
-            return in_process("--out", out, "--quiet", *TINY, "--max-steps", "4", *extra)
-        finally:
-            p.kill()
-            p.wait()
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _second_writer(*extra):
+    def run(tmp, base):
+        with live_run(tmp / "run"):
+            return in_process("--out", tmp / "run", "--quiet", *TINY, "--max-steps", "4", *extra)
 
     return run
 
@@ -502,29 +492,18 @@ def _first_run_intact(tmp):
 
 
 def _stale_lock(tmp, base):
-    out = tmp / "run"
-    p, seen = started("--out", out, *TINY, "--max-steps", "4", "--fault", "stall@2", wait_for="training ")
-    while not (out / "checkpoints/step_0000002/COMPLETE").exists() and p.poll() is None:
-        time.sleep(0.05)
-    p.kill()  # SIGKILL: no cleanup at all, the lock file stays
-    p.wait()
+    with live_run(tmp / "run"):
+        pass  # SIGKILL at the end of the block: no cleanup at all, the lock file stays
     assert (tmp / ".run.lock").exists()
-    r = process("--out", out, "--quiet", "--resume", "auto", *TINY, "--max-steps", "4")
+    r = process("--out", tmp / "run", "--quiet", "--resume", "auto", *TINY, "--max-steps", "4")
     assert "took over the lock of process" in r.err, r.err[-1500:]
     return r
 
 
 def _export_into_live_run(tmp, base):
     shutil.copytree(base / "final", tmp / "model")
-    out = tmp / "run"
-    p, seen = started("--out", out, *TINY, "--max-steps", "4", "--fault", "stall@2", wait_for="training ")
-    while not (out / "checkpoints/step_0000002/COMPLETE").exists() and p.poll() is None:
-        time.sleep(0.05)
-    try:
-        return process(tmp / "model", "--format", "hf", out / "hf", cmd="cipher-export")
-    finally:
-        p.kill()
-        p.wait()
+    with live_run(tmp / "run"):
+        return process(tmp / "model", "--format", "hf", tmp / "run/hf", cmd="cipher-export")
 
 
 WRITERS = [
