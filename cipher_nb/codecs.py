@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fastcore.script import CliError, call_parse
+from fastcore.script import CliError
 
+from .cli import command
 from .config import ConfigError, DataConfig, load_config
 from .data import DataError, source_documents
 
@@ -234,7 +235,7 @@ def file_digest(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-@call_parse(pos=["config"])
+@command(pos=["config"])
 def cipher_tokenizer(
     config: str = None,  # a YAML preset: its training documents and model.vocab (default: the built-in config)
     *overrides: str,  # section.key=value overrides, e.g. data.source=stdlib model.vocab=4096

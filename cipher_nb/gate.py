@@ -17,8 +17,9 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from fastcore.script import CliError, call_parse
+from fastcore.script import CliError
 
+from .cli import command
 from .config import Config, ConfigError, MonitorConfig, load_config
 from .monitor import ENGRAM_MIN_GATE, HALT_COLLAPSE_FRAC, as_number, loss_keys, nonfinite
 
@@ -279,7 +280,7 @@ def read_metrics(path) -> list:
     return rows
 
 # %% ../nbs/07a_gate.ipynb #b5e74435
-@call_parse
+@command
 def cipher_gate(
     run_dir: str,  # run directory holding metrics.jsonl (and config.yaml for the thresholds)
 ):

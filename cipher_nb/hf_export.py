@@ -17,9 +17,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from fastcore.script import CliError, call_parse
+from fastcore.script import CliError
 
 from .checkpoint import MARKER, CheckpointError, install_dir, is_complete
+from .cli import command
 from .codecs import SPECIALS, ByteCodec, byte_alphabet, special_token
 from .config import ModelConfig
 from .evaluate import refuse
@@ -370,7 +371,7 @@ def write_hf(src: Path, out: Path) -> str:
 FORMATS = ("hf",)
 
 
-@call_parse
+@command
 def cipher_export(
     run: str,  # a run directory (its final/ is exported) or an export folder
     out: str,  # the folder to write

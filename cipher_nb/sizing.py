@@ -14,8 +14,8 @@ import sys
 from dataclasses import replace
 
 import yaml
-from fastcore.script import call_parse, is_cli
 
+from .cli import command, is_command
 from .config import Config, ConfigError, ModelConfig, config_hash, load_config
 
 # %% ../nbs/01d_sizing.ipynb #73cb5b4c
@@ -170,7 +170,7 @@ def describe(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-@call_parse(pos=["path"])
+@command(pos=["path"])
 def cipher_config(
     path: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)
     *overrides: str,  # section.key=value overrides, e.g. model.moe.top_k=4
@@ -179,7 +179,7 @@ def cipher_config(
     try:
         cfg = load_config(path, overrides)
     except ConfigError as e:
-        if not is_cli(cipher_config):  # a Python call (a notebook, another CLI) sees the error itself
+        if not is_command(cipher_config):  # a Python call (a notebook, another CLI) sees the error itself
             raise
         print(f"cipher-config: invalid config: {e}", file=sys.stderr)
         return 2  # a usage or config error, as for cipher-train

@@ -23,7 +23,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import torch
-from fastcore.script import CliError, call_parse
+from fastcore.script import CliError
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
@@ -32,6 +32,7 @@ from matplotlib.ticker import MaxNLocator
 
 from . import checkpoint as ck
 from .checkpointer import load_weights
+from .cli import command
 from .codecs import ByteCodec
 from .config import Config, ConfigError, config_from_dict, load_config
 from .curriculum import Curriculum
@@ -448,7 +449,7 @@ def save_png(fig: Figure, path, dpi: int = 100) -> Path:
     return path
 
 # %% ../nbs/13_viz.ipynb #db37dbe8
-@call_parse
+@command
 def cipher_plot(
     run_dir: str,  # run directory written by cipher-train (metrics.jsonl, config.yaml, final/)
     out: str = None,  # folder for the PNG files (default: RUN_DIR/plots)

@@ -164,3 +164,35 @@ def test_an_unreadable_preset_is_one_line(tmp_path, monkeypatch):
         p.chmod(0)
     with pytest.raises(ConfigError, match=r"locked.yaml' cannot be read \(Permission denied\): check its permissions"):
         load_config(p)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "examples/configs/tiny-cpu-90s.yaml --out RUN data.path=x --max-steps 3",
+        "--out RUN examples/configs/tiny-cpu-90s.yaml data.path=x --max-steps 3",
+        "--max-steps 3 examples/configs/tiny-cpu-90s.yaml data.path=x --out RUN",
+    ],
+)
+def test_cipher_train_takes_options_and_overrides_in_any_order(argv):
+    from cipher_nb.cli import parse_command
+    from cipher_nb.train import cipher_train
+
+    args, kwargs = parse_command(cipher_train.__wrapped__, argv.split(), ["config"])
+    assert args == ["examples/configs/tiny-cpu-90s.yaml", "data.path=x"]
+    assert (kwargs["out"], kwargs["max_steps"]) == ("RUN", 3)
+
+
+def test_every_console_script_parses_in_any_order():
+    "Each `cipher-*` entry point is a `cipher_nb.cli.command` (fastcore's `call_parse` stops at the first option)."
+    import importlib
+    import re
+
+    from cipher_nb.cli import command
+
+    probe = command(lambda: 0).__code__
+    section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
+    scripts = re.findall(r'^(cipher-[\w-]+) = "([\w.]+):(\w+)"', section, re.M)
+    assert len(scripts) >= 7, section
+    for name, module, func in scripts:
+        assert getattr(importlib.import_module(module), func).__code__ is probe, name

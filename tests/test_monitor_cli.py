@@ -109,14 +109,14 @@ def test_thresholds_and_populations_come_from_config_yaml(tmp_path):
 
 def test_bad_input_is_a_clear_error(tmp_path):
     r = run_cli(cli(), str(tmp_path / "nope"))
-    assert r.returncode == 1 and "does not exist" in r.stderr
+    assert r.returncode == 2 and "does not exist" in r.stderr
     (tmp_path / "nometrics").mkdir()
     r = run_cli(cli(), str(tmp_path / "nometrics"))
-    assert r.returncode == 1 and "no metrics file" in r.stderr and "metrics.jsonl" in r.stderr
+    assert r.returncode == 2 and "no metrics file" in r.stderr and "metrics.jsonl" in r.stderr
     r = run_cli(cli(), str(make_run(tmp_path, "empty", [])))
-    assert r.returncode == 1 and "holds no metrics" in r.stderr
+    assert r.returncode == 2 and "holds no metrics" in r.stderr
     r = run_cli(cli(), str(make_run(tmp_path, "badcfg", rows(), {"monitor": {"max_grad_norms": 3}})))
-    assert r.returncode == 1 and "did you mean 'monitor.max_grad_norm'" in r.stderr
+    assert r.returncode == 2 and "did you mean 'monitor.max_grad_norm'" in r.stderr
 
 
 def trainer_rows(n=150, every=10, norms=None, skipped_at=None):

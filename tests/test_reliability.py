@@ -55,8 +55,7 @@ class Result:
 
 def in_process(*args) -> Result:
     "`cipher-train ARGS` through its own command-line parser, in this process: the exit code and stderr."
-    from fastcore.script import parse_cli
-
+    from cipher_nb.cli import parse_command
     from cipher_nb.train import cipher_train
 
     err = io.StringIO()
@@ -66,7 +65,7 @@ def in_process(*args) -> Result:
         warnings.simplefilter("always")
         try:
             with contextlib.redirect_stderr(err):
-                pargs, kwargs, _ = parse_cli(cipher_train.__wrapped__, False, ["config"])
+                pargs, kwargs = parse_command(cipher_train.__wrapped__, sys.argv[1:], ["config"])
                 cipher_train(*pargs, **kwargs)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 2

@@ -131,5 +131,5 @@ def test_cipher_plot_bad_run_dir_fails_clearly(tmp_path, setup, expect):
     d = tmp_path / "nothing"
     setup(d)
     r = run_cli(script("cipher-plot"), str(d))
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "cipher-plot" in r.stderr and expect in r.stderr and "Traceback" not in r.stderr
