@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/evaluate.html.md"""
 # %% auto #0
 __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuations', 'load_mc', 'multiple_choice', 'filter_probs',
            'prompt_ids', 'can_cache', 'left_pad', 'stream_batch', 'sample_batch', 'sample_ids', 'generate',
-           'generate_batch', 'stream_text', 'load_model', 'refuse', 'cipher_eval']
+           'generate_batch', 'stream_text', 'load_model', 'cipher_eval']
 
 # %% ../nbs/12_evaluate.ipynb #d7db4f55
 import json
@@ -24,7 +24,7 @@ from . import checkpoint as ck
 from .attention import CacheMiss
 from .boundary import check_bp_mode
 from .checkpointer import load_weights
-from .cli import command
+from .cli import command, refuse
 from .codecs import ByteCodec, build_codec
 from .config import ConfigError, config_from_dict
 from .core import resolve_device
@@ -399,11 +399,6 @@ def load_model(path, device="cpu") -> tuple:
     carried = (path / CODEC_FILE).is_file() or (path / TOKENIZER_FILE).is_file()
     codec = export_codec(path) if carried else build_codec(cfg.data)
     return model.to(resolve_device(str(device))).eval(), cfg, codec
-
-# %% ../nbs/12_evaluate.ipynb #1e08bd82
-def refuse(command, message):
-    "Stop the console script `command` on bad input: a `CliError`, one line and exit 2 from a shell (`cipher_nb.cli`)."
-    raise CliError(f"{command.__name__.replace('_', '-')}: {message}")
 
 # %% ../nbs/12_evaluate.ipynb #70fffeba
 @command(pos=["path"])

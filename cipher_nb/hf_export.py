@@ -20,10 +20,9 @@ import torch
 from fastcore.script import CliError
 
 from .checkpoint import MARKER, CheckpointError, install_dir, is_complete
-from .cli import command
+from .cli import command, refuse
 from .codecs import SPECIALS, ByteCodec, byte_alphabet, special_token
 from .config import ModelConfig
-from .evaluate import refuse
 from .export import CARD_FILE, CHAT_TEMPLATE_FILE, export_dir, load
 from .runlock import RunLock
 
