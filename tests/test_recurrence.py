@@ -151,8 +151,10 @@ def test_recurrent_muon_leaves_recurrence_extras_to_adamw():
     cfg = config_from_dict({"optim": {"name": "muon"}})
     m = CipherModel(recurrent(injection="lti", halting=True, loop_lora_rank=2))
     names = muon_names(m, replace(cfg, model=m.cfg))
-    assert not [n for n in names if n.startswith(("loop_lora", "halt", "inject.rate"))], names
-    assert "inject.B.weight" in names  # a hidden d x d matrix, like the blocks'
+    assert not [
+        n for n in names if n.startswith(("recurrence.loop_lora", "recurrence.halt", "recurrence.inject.rate"))
+    ], names
+    assert "recurrence.inject.B.weight" in names  # a hidden d x d matrix, like the blocks'
 
 
 def stdlib_bytes() -> torch.Tensor:
