@@ -76,7 +76,7 @@ SMOKE_MOE = [
     "model.moe.impl=grouped",  # the expert path the H100 takes (auto picks bmm on a CPU)
 ]
 SMOKE_DENSE = ["model.d_ff=128"]
-BLOCK_LISTS = ("byte_in", "layers", "byte_out")  # the ModuleLists of blocks in a CipherModel
+BLOCK_LISTS = ("hourglass.byte_in", "layers", "hourglass.byte_out")  # the ModuleLists of blocks in a CipherModel
 
 
 def parse_mode(spec: str) -> dict:
@@ -111,7 +111,13 @@ class Checkpointed(nn.Module):  # the fallback when cipher_nb.parallel is missin
 
 
 def block_lists(model: nn.Module) -> list:
-    return [getattr(model, n) for n in BLOCK_LISTS if isinstance(getattr(model, n, None), nn.ModuleList)]
+    found = []
+    for path in BLOCK_LISTS:
+        m = model
+        for part in path.split("."):
+            m = getattr(m, part, None)
+        found += [m] if isinstance(m, nn.ModuleList) else []
+    return found
 
 
 def checkpoint_blocks(model: nn.Module) -> int:

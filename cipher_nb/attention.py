@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/attention.html.md"""
 # %% auto #0
 __all__ = ['ATTN_KERNELS', 'rope_frequencies', 'rope_tables', 'apply_rope', 'attention_kernel', 'attention_mask', 'mask_mod',
            'flex_functions', 'block_mask', 'varlen_offsets', 'AttnMask', 'build_attn_mask', 'varlen_window_size',
-           'attend', 'CacheMiss', 'KVSlot', 'KVCache', 'Attention', 'rope_dim', 'LatentAttention', 'build_attention',
+           'attend', 'KVSlot', 'KVCache', 'Attention', 'rope_dim', 'LatentAttention', 'build_attention',
            'attention_kernels_used']
 
 # %% ../nbs/05d_attention.ipynb #a77e0004
@@ -23,6 +23,7 @@ from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import ModelConfig
+from .context import CacheMiss as CacheMiss  # a cache's miss: re-exported beside the cache
 
 # %% ../nbs/05d_attention.ipynb #03b0c918
 def rope_frequencies(
@@ -194,10 +195,6 @@ def attend(q, k, v, mask: AttnMask) -> torch.Tensor:
     )
 
 # %% ../nbs/05d_attention.ipynb #e418160f
-class CacheMiss(Exception):
-    "A decode step needs cached tensors no earlier position computed (a recurrent loop past the cached depth)."
-
-
 class KVSlot(typing.NamedTuple):
     "One layer's handle on the cache: `update(*new)` stores the step's tensors and returns what to attend over."
 

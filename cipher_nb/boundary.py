@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/boundary.html.md"""
 # %% auto #0
 __all__ = ['BP_MODES', 'CAUSAL_BP_MODES', 'check_bp_mode', 'logistic_noise', 'straight_through', 'Segments', 'segments_from_hard',
            'BoundaryPredictor', 'score_quantile', 'downsample', 'segment_mask', 'upsample', 'binomial_nll', 'bp_loss',
-           'boundary_stats', 'set_bp_trainable']
+           'boundary_stats', 'ByteHourglass', 'set_bp_trainable']
 
 # %% ../nbs/04_boundary.ipynb #6b881f97
 import math
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from .config import BPMode, CausalBPMode, ModelConfig
+from .context import Context, run_blocks
 
 # %% ../nbs/04_boundary.ipynb #4fde020f
 BP_MODES = get_args(BPMode)  # the config field's Literal is the one list
@@ -261,6 +262,27 @@ def boundary_stats(seg: Segments) -> dict:
         "bp/seg_len": hard.new_tensor(hard.numel()) / seg.n_seg.sum(),
         "bp/compression": hard.new_tensor(hard.shape[1] / seg.n_segments),
     }
+
+# %% ../nbs/04_boundary.ipynb #660d94eb
+class ByteHourglass(nn.Module):
+    "Bytes -> segments -> bytes around an inner stack: byte blocks, boundaries, pooling, the stack, upsampling, blocks."
+
+    def __init__(self, cfg: ModelConfig, block):
+        super().__init__()
+        self.cfg, n = cfg, cfg.boundary.n_byte_layers
+        self.byte_in = nn.ModuleList([block() for _ in range(n)])
+        self.boundary = BoundaryPredictor(cfg)
+        self.byte_out = nn.ModuleList([block() for _ in range(n)])
+
+    def forward(self, x, ctx: Context, inner, at_segments, mode: str | None = None) -> torch.Tensor:
+        "Byte states x [B, T, D] through the hourglass; `inner(seg_h [B, S, D], at_segments(ctx, seg))` in its waist."
+        x = run_blocks(self.byte_in, x, ctx)
+        seg = self.boundary(x, doc_ids=ctx.doc_ids, mode=mode)
+        seg_out = inner(downsample(x, seg)[0], at_segments(ctx, seg))
+        x = run_blocks(self.byte_out, x + upsample(seg_out, seg, self.boundary.null), ctx)
+        ctx.aux["bp"] = bp_loss(seg, self.cfg)
+        ctx.stats.update(boundary_stats(seg))
+        return x
 
 # %% ../nbs/04_boundary.ipynb #999020e4
 def set_bp_trainable(model: nn.Module, trainable: bool, key: str = "boundary") -> int:

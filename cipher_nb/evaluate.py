@@ -80,7 +80,7 @@ def bits_per_byte(
 # %% ../nbs/12_evaluate.ipynb #1eca7e73
 def _bp_kwargs(model: nn.Module, bp_mode: str = None) -> dict:
     "The boundary mode to pass a boundary-predictor model: its own or `bp_mode`, refused unless causal."
-    bp = getattr(model, "boundary", None)
+    bp = getattr(getattr(model, "hourglass", None), "boundary", None)
     if bp is None or not getattr(getattr(getattr(model, "cfg", None), "boundary", None), "enabled", False):
         return {}
     return dict(bp_mode=check_bp_mode(bp_mode or bp.mode, generating=True))

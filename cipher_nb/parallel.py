@@ -22,12 +22,19 @@ from .model import attention_kernels_used
 from .moe import moe_kernels_used
 
 # %% ../nbs/08b_parallel.ipynb #78278a22
-BLOCK_LISTS = ("byte_in", "layers", "byte_out")  # the ModuleLists of `Block`s, in forward order
+BLOCK_LISTS = ("hourglass.byte_in", "layers", "hourglass.byte_out")  # the ModuleLists of `Block`s, in forward order
+
+
+def _at(model: nn.Module, path: str):
+    "What dotted `path` names under `model`, or None where a part of it is missing."
+    for part in path.split("."):
+        model = getattr(model, part, None)
+    return model
 
 
 def model_blocks(model: nn.Module) -> list:
     "The (name, block) pairs of `model`'s block lists, in the order a forward pass first runs them."
-    return [(f"{n}.{i}", b) for n in BLOCK_LISTS for i, b in enumerate(getattr(model, n, None) or [])]
+    return [(f"{n}.{i}", b) for n in BLOCK_LISTS for i, b in enumerate(_at(model, n) or [])]
 
 # %% ../nbs/08b_parallel.ipynb #7c7e1d09
 aten = torch.ops.aten

@@ -6,17 +6,21 @@ Docs: https://cipher-nb.github.io/cipher_nb/recurrence.html.md"""
 
 # %% auto #0
 __all__ = ['LTI_MIN_RATE', 'LTI_INIT_DECAY', 'HALT_INIT_BIAS', 'LTIInjection', 'LoopLoRA', 'build_injection', 'inject_input',
-           'merged_injection', 'HaltingUnit', 'ACTHalting', 'act_weights']
+           'merged_injection', 'HaltingUnit', 'ACTHalting', 'act_weights', 'token_similarity', 'loop_stats',
+           'RecurrentStack']
 
 # %% ../nbs/05c_recurrence.ipynb #5833243b
 import copy
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 
 from .config import ModelConfig
+from .context import CacheMiss, Context, run_blocks
 
 # %% ../nbs/05c_recurrence.ipynb #5e0dad5f
 LTI_MIN_RATE = 0.01  # smallest decay rate: every eigenvalue of A is at most exp(-0.01), about 0.990
@@ -151,3 +155,95 @@ def act_weights(ps, threshold: float, states=None) -> tuple:
     act, K = ACTHalting(threshold), len(ps)
     states = ps[..., None] if states is None else states
     return torch.stack([act.step(ps[k], states[k], last=k == K - 1) for k in range(K)]), act
+
+# %% ../nbs/05c_recurrence.ipynb #6e07ba28
+def token_similarity(x: torch.Tensor) -> torch.Tensor:
+    "Mean pairwise cosine similarity between the token states of each sequence [B, T, D], averaged over the batch."
+    u = F.normalize(x.float(), dim=-1)
+    T = x.shape[1]
+    if T < 2:
+        return x.new_zeros((), dtype=torch.float32)
+    s = u.sum(1).pow(2).sum(-1)  # |sum_i u_i|^2 per sequence
+    return ((s - T) / (T * (T - 1))).mean()
+
+# %% ../nbs/05c_recurrence.ipynb #29f7ef98
+def loop_stats(states: list, entropies: list) -> dict:
+    "Per-loop state norm, relative change, token similarity and routing entropies, as [loops] tensors."
+    norms = torch.stack([s.float().norm(dim=-1).mean() for s in states])
+    zero = torch.zeros((), device=states[0].device)
+    res = torch.stack(
+        [zero] + [(b - a).float().norm() / b.float().norm().clamp(min=1e-6) for a, b in zip(states, states[1:])]
+    )
+    out = {
+        "loop/norm": norms,
+        "loop/residual": res,
+        "loop/token_corr": torch.stack([token_similarity(s) for s in states]),
+    }
+    if entropies:
+        ents = torch.stack(entropies)  # [loops, 2]: batch-averaged, per-token
+        out["loop/entropy"], out["loop/token_entropy"] = ents[:, 0], ents[:, 1]
+    return out
+
+# %% ../nbs/05c_recurrence.ipynb #81dd3953
+class RecurrentStack(nn.Module):
+    "Main blocks as prelude -> core x loops -> coda, with the core's injection, per-loop adapters and ACT halting."
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg.recurrence
+        self.inject, lora = build_injection(cfg)  # linear on [state, e], or the stable lti
+        if lora is not None:
+            self.loop_lora = lora  # per-loop adapters on the injection
+        if self.cfg.halting:
+            self.halt = HaltingUnit(cfg.d_model)
+
+    def loop_count(self, n_loops=None) -> int:
+        "Loops to run: `n_loops`, else the config's (in training with `random_loops`, 1 + Poisson(n_loops - 1))."
+        r = self.cfg
+        if n_loops is not None:
+            return int(n_loops)
+        if self.training and r.random_loops:  # mean n_loops, capped at twice that
+            return int(min(1 + torch.poisson(torch.tensor(float(r.n_loops - 1))).item(), 2 * r.n_loops))
+        return r.n_loops
+
+    def forward(self, blocks, x, ctx: Context, n_loops=None) -> torch.Tensor:
+        "Run the main `blocks` over x: the prelude once, the core loop after loop, the coda on the core's output."
+        p, c = self.cfg.n_prelude, self.cfg.n_core
+        e = run_blocks(blocks[:p], x, ctx)
+        out, act, states, entropies = self.core(blocks[p : p + c], e, ctx, p, n_loops)
+        x = run_blocks(blocks[p + c :], out, ctx, p + c)
+        if ctx.cache is None:  # generation keeps no statistics
+            ctx.stats.update(loop_stats(states, entropies))
+            if act is not None:
+                ctx.aux["ponder"] = self.cfg.ponder_weight * act.ponder_cost()
+                ctx.stats.update(act.stats(len(states)))
+        return x
+
+# %% ../nbs/05c_recurrence.ipynb #94984575
+@patch
+def core(self: RecurrentStack, blocks, e, ctx: Context, first: int, n_loops=None) -> tuple:
+    "The core `blocks` looped over the prelude's output e: (output, the `ACTHalting` or None, loop states, entropies)."
+    r, cache = self.cfg, ctx.cache
+    loops = self.loop_count(n_loops)
+    keep = loops if r.backprop_loops <= 0 else min(r.backprop_loops, loops)
+    lora, act = getattr(self, "loop_lora", None), ACTHalting(r.halt_threshold) if r.halting else None
+    decoding = cache is not None and cache.t > 0
+    state, states, entropies = torch.zeros_like(e), [], []
+    for k in range(loops):
+        if decoding and k >= cache.depth:  # earlier positions never ran loop k: only a recompute is exact
+            raise CacheMiss(f"loop {k} of the recurrent core is not cached (depth {cache.depth})")
+        with torch.set_grad_enabled(torch.is_grad_enabled() and k >= loops - keep):  # truncated backprop
+            # every loop reads the Engram memory with the same ids; a loop without gradients adds no aux loss
+            here = replace(ctx, loop=k, entropy=[], aux=ctx.aux if torch.is_grad_enabled() else {})
+            state = run_blocks(blocks, inject_input(self.inject, state, e, lora, k), here, first)
+            if act is not None:
+                act.step(self.halt(state), state, last=k == loops - 1)
+        if here.entropy:
+            entropies.append(torch.stack(here.entropy).mean(0))  # over the core's MoE layers
+        states.append(state.detach() if cache is None else None)
+        if act is not None and not torch.is_grad_enabled() and (not decoding or k + 1 >= cache.depth) and act.done:
+            break  # evaluation: every token has halted (a decode step also fills every loop the cache holds)
+    if cache is not None:  # the prompt sets how many loops every position keeps
+        cache.depth = len(states) if not decoding else cache.depth
+    out = state if act is None else act.output.to(state.dtype)  # ACT: the halting-weighted mix of the loop states
+    return out, act, states, entropies

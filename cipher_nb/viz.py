@@ -327,14 +327,14 @@ def final_bp_mode(cfg: Config) -> str:
 @torch.no_grad()
 def learned_boundaries(model: CipherModel, text: str, mode: str = None) -> tuple:
     "Per UTF-8 byte of `text`: does the boundary predictor end a segment there (bools), and its sigmoid(logit) score."
-    if getattr(model, "boundary", None) is None:
+    if getattr(model, "hourglass", None) is None:
         raise ValueError(
             "this model has no boundary predictor (model.boundary.enabled is false): "
             "only byte-level boundary models have boundaries to show"
         )
     ids = torch.as_tensor(ByteCodec().encode_doc(text, eos=False))[None]  # BOS first, as in training
     seen = []
-    hook = model.boundary.register_forward_hook(lambda m, args, out: seen.append(out))
+    hook = model.hourglass.boundary.register_forward_hook(lambda m, args, out: seen.append(out))
     try:
         model(input_ids=ids.to(next(model.parameters()).device), bp_mode=mode)
     finally:

@@ -40,8 +40,8 @@ def build(seed=0, **kw) -> CipherModel:
     torch.manual_seed(seed)
     m = CipherModel(model_config(**{**BASE, **kw})).double().eval()
     if m.cfg.recurrence.halting:  # spread the halting loops, so that tokens need different loop counts
-        torch.nn.init.normal_(m.halt.weight, std=3.0)
-        m.halt.bias.data.fill_(-1.0)
+        torch.nn.init.normal_(m.recurrence.halt.weight, std=3.0)
+        m.recurrence.halt.bias.data.fill_(-1.0)
     return m
 
 

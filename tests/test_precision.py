@@ -144,9 +144,13 @@ def test_cipher_model_converts(mode):
     report = convert_model(model, detect_precision(mode, DeviceCaps(), emulate=True), probe=probe, min_dim=0)
     kept = report["kept"]
     assert kept["head"] == "LM head" and kept["layers.1.ffn.router"] == "router gate"
-    assert {v for k, v in kept.items() if k.startswith("boundary.")} == {"boundary predictor"}
+    assert {v for k, v in kept.items() if k.startswith("hourglass.boundary.")} == {"boundary predictor"}
     converted = set(report["converted"])
-    assert "inject" in converted and "byte_in.0.attn.wq" in converted and "layers.1.ffn.shared.w_up" in converted
+    assert (
+        "recurrence.inject" in converted
+        and "hourglass.byte_in.0.attn.wq" in converted
+        and "layers.1.ffn.shared.w_up" in converted
+    )
     assert not any("norm" in n or "boundary" in n or "router" in n or n in ("head", "embed") for n in converted)
     assert all(
         type(p.data) is torch.Tensor

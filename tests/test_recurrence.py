@@ -39,9 +39,9 @@ def make_adversarial(m: CipherModel, scale: float):
     with torch.no_grad():
         for p in m.layers[1].parameters():
             p.mul_(scale)
-        if isinstance(m.inject, LTIInjection):
-            m.inject.rate.fill_(-1e4)
-            m.inject.B.weight.mul_(100)
+        if isinstance(m.recurrence.inject, LTIInjection):
+            m.recurrence.inject.rate.fill_(-1e4)
+            m.recurrence.inject.B.weight.mul_(100)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -49,12 +49,12 @@ def test_recurrent_lti_bounded_for_random_params(seed):
     torch.manual_seed(seed)
     m = CipherModel(recurrent(injection="lti"))
     with torch.no_grad():
-        m.inject.rate.normal_(std=10.0)
-        m.inject.B.weight.normal_(std=3.0)
+        m.recurrence.inject.rate.normal_(std=10.0)
+        m.recurrence.inject.B.weight.normal_(std=3.0)
     norms = loop_norms(m, seed=seed)
     assert np.isfinite(norms).all()
     assert norms[-1] <= 2 * norms[31], norms  # converging, not drifting
-    a = m.inject.decay()
+    a = m.recurrence.inject.decay()
     assert ((a >= 0) & (a < 1)).all() and a.max() <= np.exp(-LTI_MIN_RATE) + 1e-6
 
 
@@ -69,7 +69,7 @@ def test_recurrent_lti_bounded_where_linear_drifts():
     make_adversarial(lin, 5.0)
     with torch.no_grad():
         d = lin.cfg.d_model
-        lin.inject.weight[:, :d] = 2 * torch.eye(d)
+        lin.recurrence.inject.weight[:, :d] = 2 * torch.eye(d)
     drift = loop_norms(lin)
     assert not np.isfinite(drift[-1]) or drift[-1] > 1e6 * drift[31], drift
 
@@ -89,7 +89,7 @@ def test_recurrent_model_ponder_gradient_matches_finite_differences():
     m = CipherModel(recurrent(n_loops=6, halting=True)).double().eval()
     x = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
-        m.halt.bias.fill_(-1.5)  # p ~ 0.18: tokens halt around loop 5, away from the threshold
+        m.recurrence.halt.bias.fill_(-1.5)  # p ~ 0.18: tokens halt around loop 5, away from the threshold
 
     def ponder():
         with torch.enable_grad():  # the full loop, as in training
@@ -97,14 +97,14 @@ def test_recurrent_model_ponder_gradient_matches_finite_differences():
 
     m.zero_grad()
     ponder().backward()
-    g = m.halt.bias.grad.item()
+    g = m.recurrence.halt.bias.grad.item()
     h = 1e-6
     with torch.no_grad():
-        m.halt.bias += h
+        m.recurrence.halt.bias += h
         up = ponder().item()
-        m.halt.bias -= 2 * h
+        m.recurrence.halt.bias -= 2 * h
         down = ponder().item()
-        m.halt.bias += h
+        m.recurrence.halt.bias += h
     assert g < 0  # halting sooner costs less
     assert abs(g - (up - down) / (2 * h)) < 1e-6 * max(1.0, abs(g))
 
@@ -114,15 +114,15 @@ def test_recurrent_loop_lora_merge_is_exact(injection):
     torch.manual_seed(2)
     m = CipherModel(recurrent(n_loops=1, injection=injection, loop_lora_rank=2)).double().eval()
     with torch.no_grad():
-        m.loop_lora.up.normal_(std=0.1)
+        m.recurrence.loop_lora.up.normal_(std=0.1)
     merged = copy.deepcopy(m)
-    merged.inject = merged_injection(m.inject, m.loop_lora, 0)
-    del merged.loop_lora
+    merged.recurrence.inject = merged_injection(m.recurrence.inject, m.recurrence.loop_lora, 0)
+    del merged.recurrence.loop_lora
     x = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         a, b = m(x).logits, merged(x).logits
         plain = copy.deepcopy(merged)
-        plain.inject = m.inject
+        plain.recurrence.inject = m.recurrence.inject
         c = plain(x).logits  # the same model without its adapter differs
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert (a - c).abs().max() > 1e-4
@@ -134,7 +134,7 @@ def test_recurrent_every_piece_under_activation_checkpointing():
     torch.manual_seed(3)
     m = CipherModel(cfg)
     with torch.no_grad():
-        m.loop_lora.up.normal_(std=0.05)
+        m.recurrence.loop_lora.up.normal_(std=0.05)
     ac = apply_ac(copy.deepcopy(m), "full")
     x = torch.randint(0, 256, (2, 16))
     grads = []
@@ -151,8 +151,10 @@ def test_recurrent_muon_leaves_recurrence_extras_to_adamw():
     cfg = config_from_dict({"optim": {"name": "muon"}})
     m = CipherModel(recurrent(injection="lti", halting=True, loop_lora_rank=2))
     names = muon_names(m, replace(cfg, model=m.cfg))
-    assert not [n for n in names if n.startswith(("loop_lora", "halt", "inject.rate"))], names
-    assert "inject.B.weight" in names  # a hidden d x d matrix, like the blocks'
+    assert not [
+        n for n in names if n.startswith(("recurrence.loop_lora", "recurrence.halt", "recurrence.inject.rate"))
+    ], names
+    assert "recurrence.inject.B.weight" in names  # a hidden d x d matrix, like the blocks'
 
 
 def stdlib_bytes() -> torch.Tensor:
