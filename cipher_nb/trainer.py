@@ -175,10 +175,15 @@ class Schedule:
         "What the budget bought, for the run record's `schedule` (nothing without a budget)."
         if self.budget is None:
             return {}
-        steps = dict(steps=self.max_steps, warmup_steps=self.warmup_steps)
-        return dict(time_budget_s=self.budget, **steps, train_seconds=round(self.train_seconds, 1))
+        return dict(
+            time_budget_s=self.budget,
+            steps=self.max_steps,
+            warmup_steps=self.warmup_steps,
+            train_seconds=round(self.train_seconds, 1),
+        )
 
     def state_dict(self) -> dict:
+        "The plan and the time spent: the schedule's part of a checkpoint."
         return dict(max_steps=self.max_steps, warmup_steps=self.warmup_steps, train_seconds=self.train_seconds)
 
     def load_state_dict(self, d: dict):
