@@ -270,7 +270,7 @@ class Trainer:
         names = dict(self.raw_model.named_parameters())
         self.clip_groups = {k: [p for n, p in names.items() if k in n] for k in cfg.optim.clip_groups}
         self.bp_params = [p for n, p in names.items() if "boundary" in n]
-        # the plan: how many steps the run takes, its warmup and learning rate (training.time_budget re-plans them)
+        # the plan: how many steps the run takes, and its warmup (training.time_budget re-plans both)
         self.schedule = Schedule(cfg.training, clock)
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
