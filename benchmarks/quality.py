@@ -160,7 +160,7 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
 
     cipher_nb.optim.MUON_EXPERTS = name == "moe+muonx"  # read when the trainer builds its optimizer
     tr = build_trainer(cfg, run_dir, progress=False)
-    tr.clock = time.process_time if a.clock == "cpu" else time.perf_counter
+    tr.schedule.clock = time.process_time if a.clock == "cpu" else time.perf_counter
     tr.checkpoints = tr.record = tr.monitor = None
     tr.callbacks = []
     tr.model.train()
@@ -251,15 +251,16 @@ def run_one(a) -> dict:
         used, wall0, curve = 0.0, time.perf_counter(), []
         if budgeted(a, a.one):  # as Trainer.fit does: time each step, re-plan, stop when the plan is done
             marks, nth = [a.budget * (i + 1) / a.eval_points for i in range(a.eval_points - 1)], 0
-            while tr.step < tr.max_steps:
+            plan = tr.schedule
+            while tr.step < plan.max_steps:
                 c0, nth = clock(), nth + 1
                 tr.train_step()
-                tr.record_step_time(clock() - c0, nth)
-                tr.replan()
-                if tr.step == tr.max_steps or (marks and tr.train_seconds >= marks[0]):
-                    marks = [m for m in marks if m > tr.train_seconds]
-                    curve.append(dict(seconds=round(tr.train_seconds, 2), step=tr.step, bpb=ev()))
-            used = tr.train_seconds
+                plan.record_step_time(clock() - c0, nth)
+                plan.replan(tr.step)
+                if tr.step == plan.max_steps or (marks and plan.train_seconds >= marks[0]):
+                    marks = [m for m in marks if m > plan.train_seconds]
+                    curve.append(dict(seconds=round(plan.train_seconds, 2), step=tr.step, bpb=ev()))
+            used = plan.train_seconds
         else:
             points = sorted({max(1, round(a.steps * (i + 1) / a.eval_points)) for i in range(a.eval_points)})
             while tr.step < a.steps:

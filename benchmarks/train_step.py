@@ -49,7 +49,7 @@ QUIET = ["training.max_steps=100000", "training.eval_every=100000", "training.ch
 def timed_steps(trainer, watchers, n) -> float:
     "Seconds per optimizer step over `n` steps of `fit` with `watchers` = (monitor, callbacks)."
     trainer.monitor, trainer.callbacks = watchers
-    trainer.max_steps = trainer.cfg.training.max_steps = trainer.step + n  # the trainer's plan, read by fit
+    trainer.schedule.max_steps = trainer.cfg.training.max_steps = trainer.step + n  # the trainer's plan, read by fit
     t0 = time.perf_counter()
     trainer.fit(progress=False)
     return (time.perf_counter() - t0) / n
