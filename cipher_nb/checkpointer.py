@@ -49,6 +49,7 @@ from cipher_nb.checkpoint import (
 )
 from .config import Config, config_hash
 from .core import rng_state, set_rng_state
+from .model import renamed
 
 # %% ../nbs/09a_checkpointer.ipynb #b5af0697
 def host_subclass(t):
@@ -271,9 +272,9 @@ def _set_model(model, sd, path, strict=True, dcp_api=False):
         if dcp_api or is_sharded(model):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            full = is_sharded(model) and not has_dtensor(
-                sd
-            )  # an unsharded source (an export, a DDP checkpoint) is the full model
+            # an unsharded source (an export, a DDP checkpoint) is the full model
+            full = is_sharded(model) and not has_dtensor(sd)
+            sd = {renamed(k): v for k, v in sd.items()}  # DCP matches names before the model's load hook runs
             set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=full, strict=strict))
         else:
             model.load_state_dict(sd, strict=strict)

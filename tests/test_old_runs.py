@@ -43,3 +43,18 @@ def test_old_weights_start_a_run_through_init(tmp_path):
     r = run_cli("cipher-train", "--out", str(tmp_path / "run"), "--quiet", *args, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert losses(tmp_path / "run")[1] == pytest.approx(REF["flexi"]["init_step1_loss"], abs=1e-6)
+
+
+def test_old_names_load_through_the_distributed_api():
+    "DCP's `set_model_state_dict` (an FSDP2 run's `--init`) matches names before the model's load hook: renamed first."
+    from safetensors.torch import load_file
+
+    from cipher_nb.checkpointer import _set_model
+    from cipher_nb.config import config_from_dict
+    from cipher_nb.model import CipherModel
+
+    final = OLD / "flexi" / "final"
+    old = load_file(final / "model.safetensors")
+    model = CipherModel(config_from_dict(json.loads((final / "config.json").read_text())["config"]).model)
+    _set_model(model, old, final, strict=False, dcp_api=True)
+    assert torch.equal(model.state_dict()["hourglass.boundary.mlp.0.weight"], old["boundary.mlp.0.weight"])
