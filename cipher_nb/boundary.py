@@ -285,11 +285,9 @@ class ByteHourglass(nn.Module):
         return x
 
 # %% ../nbs/04_boundary.ipynb #999020e4
-def set_bp_trainable(model: nn.Module, trainable: bool, key: str = "boundary") -> int:
-    "Set `requires_grad` of every parameter whose name contains `key`; return how many tensors that touched."
-    n = 0
-    for name, p in model.named_parameters():
-        if key in name:
-            p.requires_grad_(trainable)
-            n += 1
-    return n
+def set_bp_trainable(model: nn.Module, trainable: bool) -> int:
+    "Set `requires_grad` of the parameters of every `BoundaryPredictor` in `model`; return how many there are."
+    params = {id(p): p for m in model.modules() if isinstance(m, BoundaryPredictor) for p in m.parameters()}
+    for p in params.values():
+        p.requires_grad_(trainable)
+    return len(params)

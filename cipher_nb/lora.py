@@ -22,6 +22,8 @@ from .config import Config, ConfigError
 class LoRALinear(nn.Module):
     "A frozen linear layer plus a trainable low-rank update: `x W^T + (alpha/r) dropout(x) A^T B^T`."
 
+    roles = {"lora_A": "lora", "lora_B": "lora"}  # `cipher_nb.roles`: the frozen weight keeps its layer's role
+
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
         self.in_features, self.out_features, self.scale = base.in_features, base.out_features, alpha / rank

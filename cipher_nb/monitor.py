@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from .callbacks import Callback
 from .config import Config, MonitorConfig
 from .metrics import mem_gb
+from .roles import param_roles
 
 # %% ../nbs/07_monitor.ipynb #35e50705
 _SYNC_FUNCS = {
@@ -151,11 +152,12 @@ def collect_metrics(stats: dict, top_k: int = 1) -> dict:
 
 # %% ../nbs/07_monitor.ipynb #c63bde97
 def group_grad_norms(model: torch.nn.Module, groups) -> dict:
-    "L2 norm of the gradients of the parameters whose name contains each substring, as device scalars (no sync)."
-    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    "L2 norm of the gradients of the parameters of each role in `groups`, as device scalars (no sync)."
+    roles = param_roles(model)
+    named = [(roles[n], p.grad) for n, p in model.named_parameters() if p.grad is not None]
     out = {}
     for g in groups:
-        grads = [gr for n, gr in named if g in n]
+        grads = [gr for r, gr in named if r == g]
         if not grads:
             continue
         norm = torch.nn.utils.get_total_norm(grads).detach()

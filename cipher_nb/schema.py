@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/schema.html.md"""
 # %% auto #0
 __all__ = ['RouterScore', 'MoEKernel', 'MoEImpl', 'AttnKernel', 'AttnImpl', 'ActCheckpoint', 'MoEKind', 'Injection', 'AttnKind',
            'CausalBPMode', 'BPMode', 'BPLoss', 'Source', 'Codec', 'Precision', 'FP8Recipe', 'Parallel', 'OptimName',
-           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'AT_LEAST', 'cosmetic', 'list_field', 'dict_field',
+           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'Role', 'AT_LEAST', 'cosmetic', 'list_field', 'dict_field',
            'AttentionConfig', 'MoEConfig', 'RecurrenceConfig', 'EngramConfig', 'BoundaryConfig', 'ModelConfig',
            'DataConfig', 'TrainConfig', 'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig', 'WandbConfig',
            'LoggingConfig', 'Config']
@@ -39,6 +39,9 @@ Stage = Literal["pretrain", "refinement", "sft"]
 SourceStage = Literal["", Stage]  # '' = not declared
 SFTMask = Literal["final", "all"]
 WandbMode = Literal["disabled", "offline", "online"]
+Role = Literal[  # what a parameter is to the optimizer, clipping and freezing: decided by module type (cipher_nb.roles)
+    "embedding", "head", "router", "routed_expert", "shared_expert", "hidden", "norm", "boundary", "memory", "lora"
+]
 
 # %% ../nbs/00a_schema.ipynb #497b898a
 def cosmetic(default, **kw):
@@ -250,8 +253,8 @@ class OptimConfig:
     betas: list = list_field(0.9, 0.95)
     eps: float = 1e-8
     decay_all: bool = False  # False: no weight decay on norms, biases and embeddings
-    lr_mult: dict = dict_field(boundary=0.1, memory=5.0)  # parameter-name substring -> learning-rate multiplier
-    clip_groups: dict = dict_field(experts=0.5)  # parameter-name substring -> tighter gradient clip
+    lr_mult: dict = dict_field(boundary=0.1, memory=5.0)  # parameter role -> learning-rate multiplier
+    clip_groups: dict = dict_field(routed_expert=0.5)  # parameter role -> tighter gradient clip
     muon_lr: float = 0.02  # name = muon: the learning rate of the hidden 2-D matrices Muon trains
     muon_momentum: float = 0.95
     bp_freeze_steps: int = -1  # steps with the boundary predictor frozen; -1 = warmup_steps

@@ -30,6 +30,7 @@ from .core import DistEnv, autocast, autocast_dtype, dist_env
 from .metrics import mem_gb, mfu, sum_over_ranks
 from .moe import MoE, update_moe_biases
 from .optim import lr_at, set_lr
+from .roles import clip_groups, params_with_role
 from .parallel import kernels_in_use
 
 # %% ../nbs/10_trainer.ipynb #75555f95
@@ -267,9 +268,8 @@ class Trainer:
         self.record, self.checkpoints, self.callbacks = record, checkpoints, list(callbacks)
         self.gpu_util = gpu_util
         # parameters the step treats apart
-        names = dict(self.raw_model.named_parameters())
-        self.clip_groups = {k: [p for n, p in names.items() if k in n] for k in cfg.optim.clip_groups}
-        self.bp_params = [p for n, p in names.items() if "boundary" in n]
+        self.clip_groups = clip_groups(self.raw_model, cfg.optim.clip_groups)  # by parameter role
+        self.bp_params = params_with_role(self.raw_model, "boundary")
         # the plan: how many steps the run takes, and its warmup (training.time_budget re-plans both)
         self.schedule = Schedule(cfg.training, clock)
         # counters (state_dict) and the state of this process's run
