@@ -139,10 +139,10 @@ class Trainer:
         names = dict(self.raw_model.named_parameters())
         self.clip_groups = {k: [p for n, p in names.items() if k in n] for k in cfg.optim.clip_groups}
         self.bp_params = [p for n, p in names.items() if "boundary" in n]
-        # the plan: how many steps the run takes, and its warmup (training.time_budget re-plans both)
-        t = cfg.training
-        self.max_steps, self.warmup_steps = t.max_steps, t.warmup_steps
-        self.budget = parse_duration(t.time_budget) if t.time_budget else None  # seconds of training
+        # the plan: how many steps the run takes, and its warmup (schedule.time_budget re-plans both)
+        plan = cfg.schedule
+        self.max_steps, self.warmup_steps = plan.max_steps, plan.warmup_steps
+        self.budget = parse_duration(plan.time_budget) if plan.time_budget else None  # seconds of training
         self.train_seconds = 0.0  # training time spent, in this process and before a resume
         self.timed = [0, 0.0]  # steps and seconds this process measured after its first warm-up steps
         self.clock = clock
@@ -242,7 +242,7 @@ def clip(self: Trainer) -> torch.Tensor:
     if self.scaler:
         self.scaler.unscale_(self.optimizer)
     params = [p for p in self.model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.training.grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
     if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
         norm = norm.full_tensor()
     for key, group in self.clip_groups.items():
@@ -256,7 +256,7 @@ def clip(self: Trainer) -> torch.Tensor:
 def bp_freeze_steps(self: Trainer) -> int:
     "Optimizer steps during which the boundary predictor's parameters keep their initial values."
     o = self.cfg.optim
-    return self.cfg.training.warmup_steps if o.bp_freeze_steps < 0 else o.bp_freeze_steps
+    return self.cfg.schedule.warmup_steps if o.bp_freeze_steps < 0 else o.bp_freeze_steps
 
 
 @patch(as_prop=True)
@@ -297,7 +297,7 @@ def skip_step(self: Trainer):
     if self.nonfinite_run >= self.cfg.training.max_nonfinite:
         raise NonFiniteError(
             f"{self.nonfinite_run} non-finite steps in a row at step {self.step}: stopping. The last complete "
-            "checkpoint is untouched; lower training.lr, raise model.moe.z_loss_weight or check the data"
+            "checkpoint is untouched; lower schedule.lr, raise model.moe.z_loss_weight or check the data"
         )
 
 # %% ../nbs/10_trainer.ipynb #d2bee0f6
@@ -307,7 +307,7 @@ BUDGET_WARM_STEPS, BUDGET_CALIBRATION_STEPS = 2, 5  # steps left out of the cost
 @patch
 def lr(self: Trainer, step: int) -> float:
     "The learning rate of optimizer step `step` under the current plan."
-    return lr_at(step, replace(self.cfg.training, max_steps=self.max_steps, warmup_steps=self.warmup_steps))
+    return lr_at(step, replace(self.cfg.schedule, max_steps=self.max_steps, warmup_steps=self.warmup_steps))
 
 
 @patch
@@ -325,9 +325,9 @@ def replan(self: Trainer) -> bool:
     if self.budget is None or n < BUDGET_CALIBRATION_STEPS:
         return False
     left = max(0.0, self.budget - self.train_seconds)
-    planned = min(self.cfg.training.max_steps, self.step + int(left / (spent / n)))
+    planned = min(self.cfg.schedule.max_steps, self.step + int(left / (spent / n)))
     planned = int(sum_over_ranks(torch.tensor(float(planned), device=self.device), self.env, dist.ReduceOp.MIN).item())
-    if self.max_steps == self.cfg.training.max_steps:  # the first plan: fit the warmup too
+    if self.max_steps == self.cfg.schedule.max_steps:  # the first plan: fit the warmup too
         self.warmup_steps = min(self.warmup_steps, planned // 10)
     self.max_steps = max(planned, self.step)
     return True
@@ -443,7 +443,7 @@ def log(self: Trainer, row: dict, bar=None):
             f.write(json.dumps(row) + "\n")
     if bar is not None and "loss" in row:
         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_per_s']:,.0f}")
-        bar.write(progress_line(row, self.cfg.training.max_steps))
+        bar.write(progress_line(row, self.cfg.schedule.max_steps))
 
 # %% ../nbs/10_trainer.ipynb #44120952
 @patch
