@@ -97,7 +97,7 @@ def main():
     device = resolve_device(a.device)
     model, what = build(cfg, device)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.training.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.training.weight_decay
+        model.parameters(), lr=cfg.schedule.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
     )
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3

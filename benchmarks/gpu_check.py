@@ -195,7 +195,7 @@ def run_mode(cfg, spec: str, device, steps: int, warmup: int, emulate: bool, cpu
 
     def step(i):
         loss = micro(model, batches[i % len(batches)])
-        torch.nn.utils.clip_grad_norm_(params, cfg.training.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss

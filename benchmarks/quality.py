@@ -4,7 +4,7 @@ through cipher_nb's own loop on the embedded standard-library corpus.
     python benchmarks/quality.py                              # 5 contenders, 1 seed, 800 CPU-seconds each
     python benchmarks/quality.py --contenders minimal-gpt,dense,moe --budget 90s --seeds 3   # against the baseline
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
-    python benchmarks/quality.py --budget 60 training.lr=2e-3 # a quick ranking of one change (to every contender)
+    python benchmarks/quality.py --budget 60 schedule.lr=2e-3 # a quick ranking of one change (to every contender)
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
     python benchmarks/quality.py --config examples/configs/tiny-cpu-90s.yaml --plan budget --budget 90s --seeds 3 \
         --contenders minimal-gpt,dense,moe,dense+muon,moe+muon   # AdamW against Muon for the hidden matrices
@@ -33,7 +33,7 @@ process's CPU time, `--clock wall` elapsed time. The budget (`--budget`: seconds
 contender `budget / cost` steps, and each trains exactly that many (its own process, its cosine schedule ending at its
 last step), so the held-out figures do not depend on how busy the machine was during training: a run that happened to
 share its core would otherwise get fewer steps and a worse score. Every run also reports the clock time its training
-really used, as a cross-check. With `--plan budget` the cipher_nb contenders instead get `training.time_budget` and
+really used, as a cross-check. With `--plan budget` the cipher_nb contenders instead get `schedule.time_budget` and
 their trainer plans the steps from the cost it measures as it runs (on `--clock`), the way `cipher-train --time-budget`
 does; the minimal GPT keeps its calibrated steps, and each run's line says how close its training time landed.
 Held-out bits per byte come only from `cipher_nb.metrics.heldout_metrics` on the base config's held-out split (nats
@@ -128,7 +128,7 @@ def contender_overrides(name: str, cfg) -> list:
 
 
 def budgeted(a, name: str) -> bool:
-    "Whether contender `name` plans its own steps with `training.time_budget` (`--plan budget`, cipher_nb contenders)."
+    "Whether contender `name` plans its own steps with `schedule.time_budget` (`--plan budget`, cipher_nb contenders)."
     return a.plan == "budget" and name != BASELINE
 
 
@@ -152,9 +152,9 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     if budgeted(a, name):  # the trainer plans the steps that fit the budget, on this script's clock
         from cipher_nb.train import BUDGET_MAX_STEPS
 
-        plan = [f"training.time_budget={a.budget:g}s", f"training.max_steps={BUDGET_MAX_STEPS}"]
+        plan = [f"schedule.time_budget={a.budget:g}s", f"schedule.max_steps={BUDGET_MAX_STEPS}"]
     else:
-        plan = [f"training.max_steps={steps}"]
+        plan = [f"schedule.max_steps={steps}"]
     cfg = load_config(a.config, [*over, *plan])
     import cipher_nb.optim
 
@@ -336,7 +336,7 @@ def table(runs: list, names: list) -> str:
     lines = [
         f"budget {r0['budget']:g} {r0['clock']}-s per run ({r0['threads']} torch thread(s)), "
         f"seeds per contender: {len(by[names[0]])}"
-        + ("; cipher_nb steps planned by training.time_budget" if any(r.get("plan") == "budget" for r in runs) else ""),
+        + ("; cipher_nb steps planned by schedule.time_budget" if any(r.get("plan") == "budget" for r in runs) else ""),
         "",
         "| contender | held-out bpb | vs dense, same seed | ahead of dense | vs minimal-gpt, same seed "
         "| ahead of minimal-gpt | held-out rows (= trained length) | steps | tok/s | params (total) | params (active) "
@@ -441,7 +441,7 @@ def main():
         choices=("steps", "budget"),
         default="steps",
         help="steps: every contender trains budget / (its calibrated step cost) steps; budget: the cipher_nb "
-        "contenders get training.time_budget and their trainer plans the steps as it runs (on --clock), the "
+        "contenders get schedule.time_budget and their trainer plans the steps as it runs (on --clock), the "
         "minimal GPT keeps its calibrated steps",
     )
     p.add_argument("--calibrate-only", action="store_true", help="print the step-cost table and stop")
@@ -480,13 +480,13 @@ def main():
         return
     from cipher_nb.config import load_config
 
-    warmup = load_config(a.config, a.overrides).training.warmup_steps
+    warmup = load_config(a.config, a.overrides).schedule.warmup_steps
     short = [n for n in names if not budgeted(a, n) and n != BASELINE and int(a.budget / costs[n]) <= warmup]
     if short:
         sys.exit(
             f"--budget {a.budget:g} buys {', '.join(f'{n} {int(a.budget / costs[n])}' for n in short)} steps, "
             "not more than "
-            f"training.warmup_steps ({warmup}): raise --budget or lower training.warmup_steps"
+            f"schedule.warmup_steps ({warmup}): raise --budget or lower schedule.warmup_steps"
         )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

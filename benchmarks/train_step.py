@@ -43,13 +43,13 @@ from cipher_nb.model import CipherModel
 from cipher_nb.parallel import AC_MODES, apply_ac
 from cipher_nb.train import build_trainer
 
-QUIET = ["training.max_steps=100000", "training.eval_every=100000", "training.checkpoint_every=100000"]
+QUIET = ["schedule.max_steps=100000", "training.eval_every=100000", "training.checkpoint_every=100000"]
 
 
 def timed_steps(trainer, watchers, n) -> float:
     "Seconds per optimizer step over `n` steps of `fit` with `watchers` = (monitor, callbacks)."
     trainer.monitor, trainer.callbacks = watchers
-    trainer.schedule.max_steps = trainer.cfg.training.max_steps = trainer.step + n  # the trainer's plan, read by fit
+    trainer.schedule.max_steps = trainer.cfg.schedule.max_steps = trainer.step + n  # the trainer's plan, read by fit
     t0 = time.perf_counter()
     trainer.fit(progress=False)
     return (time.perf_counter() - t0) / n

@@ -35,7 +35,7 @@ def parse_phases(cfg: Config) -> list:
     "The `Phase`s of `data.phases` (or one uniform phase), validated against `data.sources`."
     names = sorted(source_specs(cfg.data))
     raw = cfg.data.phases or [dict(name="all", until=1.0, mix={n: 1.0 for n in names})]
-    T, out, prev = cfg.training.max_steps, [], 0.0
+    T, out, prev = cfg.schedule.max_steps, [], 0.0
     for i, p in enumerate(raw):
         where = f"data.phases[{i}]"
         if not isinstance(p, dict) or "until" not in p or "mix" not in p:
@@ -86,8 +86,8 @@ class Curriculum:
 
     def __init__(self, cfg: Config):
         self.phases = parse_phases(cfg)
-        self.max_steps = cfg.training.max_steps
-        self.bp_switch = step_boundary(cfg.data.bp_fixed_frac, cfg.training.max_steps)  # first adaptive step
+        self.max_steps = cfg.schedule.max_steps
+        self.bp_switch = step_boundary(cfg.data.bp_fixed_frac, cfg.schedule.max_steps)  # first adaptive step
         self._ends = [p.end for p in self.phases]
 
     def phase(self, step: int) -> int:

@@ -151,7 +151,7 @@ class LiveDashboard(Callback):
         if len(self._clock) < 2:
             return None
         (t0, s0), (t1, s1) = self._clock[-2], self._clock[-1]
-        return (trainer.cfg.training.max_steps - s1) * (t1 - t0) / (s1 - s0) if s1 > s0 else None
+        return (trainer.cfg.schedule.max_steps - s1) * (t1 - t0) / (s1 - s0) if s1 > s0 else None
 
     def due(self) -> bool:
         "Time for a clock redraw: the first one, or `interval` s since the last (longer after a slow redraw)."
@@ -217,7 +217,7 @@ def update(self: LiveDashboard, trainer, final: bool = False):
     t0 = self.clock()
     cfg = getattr(trainer, "cfg", None)
     eta = self.eta(trainer) if cfg else None
-    status = status_line(self.rows, cfg.training.max_steps if cfg else None, eta, getattr(trainer, "step", None))
+    status = status_line(self.rows, cfg.schedule.max_steps if cfg else None, eta, getattr(trainer, "step", None))
     fig = None
     if final or len(self.rows) != self._drawn:
         fig = dashboard_figure(self.rows, self.warnings(trainer), cfg, "" if self.widget else status)
@@ -237,7 +237,7 @@ def on_reuse(self: LiveDashboard, run_dir):
     "Show the final frame of a finished run that `run_once` reused instead of training (its warnings are not kept)."
     rows, cfg = load_run(run_dir)
     self.rows, self._drawn = rows, len(rows)
-    status = f"{Path(run_dir)}: finished run reused | " + status_line(rows, cfg.training.max_steps)
+    status = f"{Path(run_dir)}: finished run reused | " + status_line(rows, cfg.schedule.max_steps)
     fig = dashboard_figure(rows, None, cfg, "" if self.widget else status)
     self.draws += 1
     if self.widget:

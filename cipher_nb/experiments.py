@@ -111,7 +111,7 @@ def require_finished(run_dir) -> Path:
 
 # %% ../nbs/12a_experiments.ipynb #76e9ad3f
 def ablation_grid(axes: dict) -> list:
-    "All combinations of `axes` (`{'model.moe.top_k': [1, 2], 'training.lr': [1e-3, 3e-3]}`), as overrides."
+    "All combinations of `axes` (`{'model.moe.top_k': [1, 2], 'schedule.lr': [1e-3, 3e-3]}`), as overrides."
     for k, vs in axes.items():
         if "." not in k:
             raise ConfigError(f"ablation key '{k}' is not of the form section.key (e.g. model.moe.top_k)")

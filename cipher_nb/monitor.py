@@ -264,7 +264,7 @@ class RecurrentMonitor:
                     f"the state norm after loop {len(norms)} is {norms[-1] / norms[0]:.1f}x loop 1's "
                     f"({norms[-1]:.3g} vs "
                     f"{norms[0]:.3g}; limit monitor.drift_ratio = {m.drift_ratio})",
-                    "lower model.recurrence.n_loops or training.lr, "
+                    "lower model.recurrence.n_loops or schedule.lr, "
                     "backpropagate through fewer loops (model.recurrence.backprop_loops), "
                     "check the core's output norm",
                 )
@@ -292,7 +292,7 @@ class RecurrentMonitor:
                     f"token states correlate at {max(corr):.3f} after loop {k} "
                     f"(limit monitor.max_token_corr = {m.max_token_corr})",
                     "lower model.recurrence.n_loops, check that the input injection reaches every loop, "
-                    "lower training.lr",
+                    "lower schedule.lr",
                 )
             )
         halt = halting_collapse(row, m)
@@ -319,7 +319,7 @@ def nonfinite_loss(row: dict, m: MonitorConfig):
         "non-finite loss",
         row.get("step"),
         ", ".join(f"{k} = {row[k]}" for k in bad),
-        "lower training.lr, raise model.moe.z_loss_weight, check the data of these steps",
+        "lower schedule.lr, raise model.moe.z_loss_weight, check the data of these steps",
     )
 
 
@@ -351,7 +351,7 @@ def grad_explosion(row: dict, m: MonitorConfig):
         "gradient explosion",
         row.get("step"),
         f"grad_norm {g:.3g} over monitor.max_grad_norm = {m.max_grad_norm}",
-        "keep training.grad_clip on, lower training.lr or lengthen training.warmup_steps",
+        "keep optim.grad_clip on, lower schedule.lr or lengthen schedule.warmup_steps",
     )
 
 # %% ../nbs/07_monitor.ipynb #c3a855bd

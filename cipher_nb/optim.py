@@ -17,7 +17,7 @@ from typing import get_args
 import torch
 import torch.nn as nn
 
-from .config import Config, OptimName, TrainConfig
+from .config import Config, OptimName, ScheduleConfig
 from .precision import quiet_imports
 from .roles import param_roles
 
@@ -37,9 +37,9 @@ def param_groups(model: nn.Module, cfg: Config, exclude: tuple = ()) -> list:
         if not p.requires_grad or name in exclude:
             continue
         decay = cfg.optim.decay_all or (p.ndim >= 2 and roles[name] not in NO_DECAY)
-        wd, mult = (cfg.training.weight_decay if decay else 0.0), lr_multiplier(roles[name], cfg.optim.lr_mult)
+        wd, mult = (cfg.optim.weight_decay if decay else 0.0), lr_multiplier(roles[name], cfg.optim.lr_mult)
         g = groups.setdefault(
-            (wd, mult), dict(params=[], names=[], weight_decay=wd, lr_mult=mult, lr=cfg.training.lr * mult)
+            (wd, mult), dict(params=[], names=[], weight_decay=wd, lr_mult=mult, lr=cfg.schedule.lr * mult)
         )
         g["params"].append(p)
         g["names"].append(name)
@@ -54,7 +54,7 @@ def adamw(groups: list, cfg: Config) -> torch.optim.AdamW:
     o, params = cfg.optim, [p for g in groups for p in g["params"]]
     # fused on CUDA (torchao's weight wrappers unwrap for it too) and on CPU, where it beats the foreach kernel
     fused = bool(params) and len({p.device.type for p in params}) == 1 and params[0].device.type in ("cuda", "cpu")
-    kw = dict(lr=cfg.training.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=cfg.training.weight_decay)
+    kw = dict(lr=cfg.schedule.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=cfg.optim.weight_decay)
     return torch.optim.AdamW(groups, fused=True if fused else None, **kw)
 
 
@@ -63,7 +63,7 @@ def adamw8bit(groups: list, cfg: Config):
     from torch.distributed.tensor import DTensor
 
     o = cfg.optim
-    kw = dict(lr=cfg.training.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=cfg.training.weight_decay)
+    kw = dict(lr=cfg.schedule.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=cfg.optim.weight_decay)
     sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
     with quiet_imports():
         if not sharded:
@@ -220,7 +220,7 @@ def build_muon(model: nn.Module, cfg: Config, experts: bool | None = None) -> Mu
     from torch.distributed.tensor import DTensor
 
     named = dict(model.named_parameters())
-    names, t, o = muon_names(model, cfg), cfg.training, cfg.optim
+    names, lr, o = muon_names(model, cfg), cfg.schedule.lr, cfg.optim
     stacked = muon_names(model, cfg, ndim=3) if (MUON_EXPERTS if experts is None else experts) else []
     sharded = [n for n in names + stacked if isinstance(named[n], DTensor)]
     if sharded:
@@ -230,7 +230,7 @@ def build_muon(model: nn.Module, cfg: Config, experts: bool | None = None) -> Mu
         )
 
     def group(ns):
-        hp = dict(lr=o.muon_lr, lr_mult=o.muon_lr / t.lr, weight_decay=t.weight_decay * t.lr / o.muon_lr)
+        hp = dict(lr=o.muon_lr, lr_mult=o.muon_lr / lr, weight_decay=o.weight_decay * lr / o.muon_lr)
         return dict(params=[named[n] for n in ns], names=ns, **hp)
 
     muon = torch.optim.Muon([group(names)], lr=o.muon_lr, momentum=o.muon_momentum)
@@ -293,12 +293,12 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict, where: str = "
     return True
 
 # %% ../nbs/08a_optim.ipynb #58134f49
-def lr_at(step: int, t: TrainConfig) -> float:
+def lr_at(step: int, s: ScheduleConfig) -> float:
     "Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, s.max_steps - s.warmup_steps))
+    return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
 
 # %% ../nbs/08a_optim.ipynb #1533d81b
 def set_lr(optimizer, lr: float):

@@ -157,7 +157,7 @@ def run_record(
     run_name: str = "",
 ) -> RunRecord:
     "A `RunRecord` filled from the config and the machine; the trainer adds kernels, evals, selection and export."
-    t, o, ws = cfg.training, cfg.optim, world_size or dist_info()[1]
+    t, s, o, ws = cfg.training, cfg.schedule, cfg.optim, world_size or dist_info()[1]
     seqs = t.batch_size * t.grad_accum * ws
     return RunRecord(
         run_name=run_name,
@@ -172,12 +172,12 @@ def run_record(
             name=o.name,
             betas=list(o.betas),
             eps=o.eps,
-            weight_decay=t.weight_decay,
+            weight_decay=o.weight_decay,
             decay_all=o.decay_all,
             lr_mult=dict(o.lr_mult),
-            grad_clip=t.grad_clip,
+            grad_clip=o.grad_clip,
         ),
-        schedule=dict(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps),
+        schedule=dict(lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps, max_steps=s.max_steps),
         world_size=ws,
         hardware=hardware_info(),
         precision=dict(requested=t.precision),

@@ -9,8 +9,8 @@ __all__ = ['RouterScore', 'MoEKernel', 'MoEImpl', 'AttnKernel', 'AttnImpl', 'Act
            'CausalBPMode', 'BPMode', 'BPLoss', 'Source', 'Codec', 'Precision', 'FP8Recipe', 'Parallel', 'OptimName',
            'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'Role', 'AT_LEAST', 'cosmetic', 'list_field', 'dict_field',
            'AttentionConfig', 'MoEConfig', 'RecurrenceConfig', 'EngramConfig', 'BoundaryConfig', 'ModelConfig',
-           'DataConfig', 'TrainConfig', 'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig', 'WandbConfig',
-           'LoggingConfig', 'Config']
+           'DataConfig', 'TrainConfig', 'ScheduleConfig', 'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig',
+           'WandbConfig', 'LoggingConfig', 'Config']
 
 # %% ../nbs/00a_schema.ipynb #7cfa6261
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -208,21 +208,14 @@ class DataConfig:
     phases: list = list_field()  # curriculum: [{until: 0.3, mix: {name: weight}}, ...]; empty = one phase
     bp_fixed_frac: float = 0.3  # fraction of training with the fixed-rate boundary mode
 
-
+# %% ../nbs/00a_schema.ipynb #dcfa00b0
 @dataclass
 class TrainConfig:
-    "The loop: batch, schedule, precision, evaluation and checkpoint cadence."
+    "The loop: batch shape, precision, parallelism, evaluation and checkpoint cadence."
 
     seq_len: int = 256
     batch_size: int = 16
     grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 30
-    max_steps: int = 1600  # with time_budget: the most steps the budget may buy
-    time_budget: str = ""  # training time to spend, e.g. 90s, 8m, 2h: the step count is planned to fit it
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
     precision: Precision = "auto"
     fp8_recipe: FP8Recipe = "rowwise"  # torchao float8 scaling for fp8
     seed: int = 0
@@ -244,7 +237,18 @@ class TrainConfig:
     run_name: str = cosmetic("")
     background_save: bool = cosmetic(False)
 
+# %% ../nbs/00a_schema.ipynb #ecb29891
+@dataclass
+class ScheduleConfig:
+    "The run's horizon and learning rate: a step count or a time budget, a warmup, then a cosine from lr to min_lr."
 
+    lr: float = 1e-3  # the peak learning rate (AdamW's; Muon's hidden matrices take optim.muon_lr)
+    min_lr: float = 1e-4  # where the cosine ends
+    warmup_steps: int = 30
+    max_steps: int = 1600  # with time_budget: the most steps the budget may buy
+    time_budget: str = ""  # training time to spend, e.g. 90s, 8m, 2h: the step count is planned to fit it
+
+# %% ../nbs/00a_schema.ipynb #a74d80e9
 @dataclass
 class OptimConfig:
     "The optimizer (AdamW, 8-bit AdamW, or Muon for hidden matrices with AdamW for the rest) and its parameter groups."
@@ -252,6 +256,8 @@ class OptimConfig:
     name: OptimName = "adamw"
     betas: list = list_field(0.9, 0.95)
     eps: float = 1e-8
+    weight_decay: float = 0.1  # schedule.lr x weight_decay per step, on the matrices (all with decay_all)
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this
     decay_all: bool = False  # False: no weight decay on norms, biases and embeddings
     lr_mult: dict = dict_field(boundary=0.1, memory=5.0)  # parameter role -> learning-rate multiplier
     clip_groups: dict = dict_field(routed_expert=0.5)  # parameter role -> tighter gradient clip
@@ -259,7 +265,7 @@ class OptimConfig:
     muon_momentum: float = 0.95
     bp_freeze_steps: int = -1  # steps with the boundary predictor frozen; -1 = warmup_steps
 
-
+# %% ../nbs/00a_schema.ipynb #ffeb845b
 @dataclass
 class StageConfig:
     "Which release stage this run is, and what it starts from."
@@ -289,7 +295,7 @@ class MonitorConfig:
     max_token_corr: float = cosmetic(0.95)  # recurrent collapse: token states this correlated are near-identical
     overfit_patience: int = cosmetic(2)  # consecutive validation rises (training loss falling) before warning
 
-
+# %% ../nbs/00a_schema.ipynb #625ff73c
 @dataclass
 class SFTConfig:
     "Supervised fine-tuning: data, loss mask, epochs and LoRA."
@@ -302,16 +308,14 @@ class SFTConfig:
         0  # 0 = every training example; N keeps the first N (quick runs; the held-out set stays whole)
     )
     chat_template: str = ""  # '' = the codec's role and end-of-turn specials; a .jinja file or tokenizer_config.json
-    epochs: int = 3
-    lr: float = 2e-5  # SFT's peak learning rate (training.lr is set from it)
-    min_lr: float = 0.0  # where the one cosine across all epochs ends
-    warmup_frac: float = 0.03  # warmup as a fraction of all SFT steps
+    epochs: int = 3  # the SFT horizon: schedule.max_steps is epochs x steps per epoch (its rate: schedule.lr)
+    warmup_frac: float = 0.03  # schedule.warmup_steps as a fraction of all SFT steps
     lora_rank: int = 0  # 0 = full-parameter
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: list = list_field("wq", "wk", "wv", "wo")
 
-
+# %% ../nbs/00a_schema.ipynb #4233ccec
 @dataclass
 class WandbConfig:
     "Weights & Biases: the run's metrics and resolved config, live (online) or written for a later `wandb sync`."
@@ -337,6 +341,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainConfig = field(default_factory=TrainConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     stage: StageConfig = field(default_factory=StageConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -348,8 +353,8 @@ class Config:
 
 # %% ../nbs/00a_schema.ipynb #a71ea57b
 AT_LEAST = {  # field -> (the least value that works, what the field counts)
-    "training.max_steps": (1, "optimizer steps to train (with training.time_budget: the most the budget may buy)"),
-    "training.warmup_steps": (0, "steps of learning-rate warmup (0 = none)"),
+    "schedule.max_steps": (1, "optimizer steps to train (with schedule.time_budget: the most the budget may buy)"),
+    "schedule.warmup_steps": (0, "steps of learning-rate warmup (0 = none)"),
     "training.seq_len": (2, "tokens per window: one input and one target at least"),
     "training.batch_size": (1, "windows per micro-batch"),
     "training.grad_accum": (1, "micro-batches per optimizer step"),
@@ -361,7 +366,7 @@ AT_LEAST = {  # field -> (the least value that works, what the field counts)
     "training.max_nonfinite": (1, "non-finite steps in a row before the run stops"),
     "training.fp8_min_dim": (0, "the width from which fp8 converts a linear layer"),
     "training.seed": (0, "the random seed"),
-    "optim.bp_freeze_steps": (-1, "steps with the boundary predictor frozen (-1 = training.warmup_steps)"),
+    "optim.bp_freeze_steps": (-1, "steps with the boundary predictor frozen (-1 = schedule.warmup_steps)"),
     "model.vocab": (1, "token ids"),
     "model.d_model": (1, "the model width"),
     "model.n_layers": (1, "main layers"),

@@ -411,12 +411,11 @@ class SFTHooks(StageHooks):
 
     def config(self, cfg: Config) -> Config:
         cfg = copy.deepcopy(cfg)
-        t, s = cfg.training, cfg.sft
+        t, s, plan = cfg.training, cfg.sft, cfg.schedule
         per_step = t.batch_size * t.grad_accum * dist_env().world_size
         self.steps_per_epoch = math.ceil(len(self._arrays(cfg, "train")["input_ids"]) / per_step)
-        t.max_steps = self.steps_per_epoch * s.epochs
-        t.warmup_steps = min(round(s.warmup_frac * t.max_steps), t.max_steps - 1)
-        t.lr, t.min_lr = s.lr, s.min_lr
+        plan.max_steps = self.steps_per_epoch * s.epochs  # the horizon in epochs; the rate is the preset's schedule.lr
+        plan.warmup_steps = min(round(s.warmup_frac * plan.max_steps), plan.max_steps - 1)
         t.eval_every = t.checkpoint_every = self.steps_per_epoch
         t.eval_at_start = True
         if s.lora_rank:

@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -32,7 +33,16 @@ from . import checkpoint as ck
 from .checkpointer import Checkpointer, checkpoint_meta, load_weights, restore_training_state, training_state
 from .cli import EXIT_FAILED, EXIT_OOM, EXIT_USAGE, command
 from .codecs import build_codec, tokenizer_command
-from .config import Config, ConfigError, load_config, save_config
+from cipher_nb.config import (
+    Config,
+    ConfigError,
+    ScheduleConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    read_preset,
+    save_config,
+)
 from .core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
 from .curriculum import Curriculum
 from .data import DataError, data_fingerprint
@@ -283,31 +293,30 @@ def resolve_run(
 ):
     "The config and run directory a `cipher-train` command line asks for."
     flags = {
-        "training.max_steps": max_steps,
+        "schedule.max_steps": max_steps,
         "stage.init": init or None,
         "stage.name": stage or None,
         "training.precision": precision or None,
         "training.device": device or None,
         "data.source": "mock" if mock_data else None,
-        "training.time_budget": time_budget or None,
+        "schedule.time_budget": time_budget or None,
     }
-    overrides = [*overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     if config is None and resume and out and (Path(out) / "config.yaml").exists():
         config = str(Path(out) / "config.yaml")
+    overrides = [*overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
+    asked = apply_overrides({} if config is None else read_preset(config), overrides)  # read once, validated once
+    plan, derived = {**asdict(ScheduleConfig()), **(asked.get("schedule") or {})}, []
     # a short run asked for on the command line: shorten the warmup to fit, and say so (validation refuses < 1)
-    if max_steps is not None and max_steps >= 1:
-        warmup = load_config(
-            config, [o for o in overrides if not o.startswith("training.max_steps=")]
-        ).training.warmup_steps
-        if warmup >= max_steps:
-            overrides.append(f"training.warmup_steps={max_steps // 10}")
-            print(
-                f"--max-steps {max_steps}: training.warmup_steps shortened from {warmup} to {max_steps // 10}",
-                file=sys.stderr,
-            )
-    cfg = load_config(config, overrides)
-    if cfg.training.time_budget and max_steps is None and not resume:  # the budget decides over a preset's max_steps
-        cfg = load_config(config, [*overrides, f"training.max_steps={BUDGET_MAX_STEPS}"])
+    warmup = int(plan["warmup_steps"])
+    if max_steps is not None and max_steps >= 1 and warmup >= max_steps:
+        derived.append(f"schedule.warmup_steps={max_steps // 10}")
+        print(
+            f"--max-steps {max_steps}: schedule.warmup_steps shortened from {warmup} to {max_steps // 10}",
+            file=sys.stderr,
+        )
+    if plan["time_budget"] and max_steps is None and not resume:  # the budget decides over a preset's max_steps
+        derived.append(f"schedule.max_steps={BUDGET_MAX_STEPS}")
+    cfg = config_from_dict(apply_overrides(asked, derived))
     if resume == "auto" and not out:
         raise ConfigError("--resume auto continues a run directory: give it with --out RUN_DIR")
     name = cfg.training.run_name or f"{Path(config).stem if config else 'tiny-cpu'}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -515,10 +524,10 @@ def stopped_before_start(e: StopRequested, run_dir: Path, removed: bool) -> str:
 @command(pos=["config"])
 def cipher_train(
     config: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in tiny-cpu config)
-    *overrides: str,  # section.key=value overrides, e.g. training.lr=3e-4
+    *overrides: str,  # section.key=value overrides, e.g. schedule.lr=3e-4
     out: str = None,  # the run directory (default: training.out_dir/<preset>-<time>)
-    max_steps: int = None,  # shorthand for training.max_steps (a warmup that does not fit is shortened)
-    time_budget: str = None,  # shorthand for training.time_budget, e.g. 90s, 8m: the steps are planned to fit it
+    max_steps: int = None,  # shorthand for schedule.max_steps (a warmup that does not fit is shortened)
+    time_budget: str = None,  # shorthand for schedule.time_budget, e.g. 90s, 8m: the steps are planned to fit it
     resume: str = None,  # 'auto' (the newest complete checkpoint of --out) or a checkpoint path: exact continuation
     overwrite: bool = False,  # --out holds a run: move it to OUT.prev (or .prev.2, ...) and start again
     init: str = None,  # start from these weights only (fresh optimizer, schedule and step count)
@@ -552,7 +561,7 @@ def cipher_train(
         except (ConfigError, ck.CheckpointError, DataError, FileNotFoundError, ValueError) as e:
             exit_with(EXIT_USAGE, str(e))
         if trainer.is_main:
-            print(f"training {cfg.training.max_steps} steps, run directory: {run_dir}", file=sys.stderr)
+            print(f"training {cfg.schedule.max_steps} steps, run directory: {run_dir}", file=sys.stderr)
         trainer.fit(progress=not quiet, reraise=False)
         stop.at_once = False  # the run is over: nothing left to stop
         summary = run_summary(trainer) if trainer.is_main else ""

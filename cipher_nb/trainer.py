@@ -25,13 +25,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .callbacks import run_callbacks
-from .config import Config, TrainConfig, parse_duration
+from .config import Config, ScheduleConfig, parse_duration
 from .core import DistEnv, autocast, autocast_dtype, dist_env
 from .metrics import mem_gb, mfu, sum_over_ranks
 from .moe import MoE, update_moe_biases
 from .optim import lr_at, set_lr
-from .roles import clip_groups, params_with_role
 from .parallel import kernels_in_use
+from .roles import clip_groups, params_with_role
 
 # %% ../nbs/10_trainer.ipynb #75555f95
 class StopRequested(KeyboardInterrupt):
@@ -140,17 +140,17 @@ BUDGET_WARM_STEPS, BUDGET_CALIBRATION_STEPS = 2, 5  # steps left out of the cost
 class Schedule:
     "The plan of a run: its optimizer steps, its warmup and the learning rate at a step; a time budget re-plans them."
 
-    def __init__(self, training: TrainConfig, clock=time.perf_counter):
-        self.training = training  # lr, min_lr, and max_steps: the most any plan takes
+    def __init__(self, config: ScheduleConfig, clock=time.perf_counter):
+        self.config = config  # lr, min_lr, and max_steps: the most any plan takes
         self.clock = clock  # what training time is measured with (a fake in tests)
-        self.max_steps, self.warmup_steps = training.max_steps, training.warmup_steps
-        self.budget = parse_duration(training.time_budget) if training.time_budget else None  # seconds of training
+        self.max_steps, self.warmup_steps = config.max_steps, config.warmup_steps
+        self.budget = parse_duration(config.time_budget) if config.time_budget else None  # seconds of training
         self.train_seconds = 0.0  # training time spent, in this process and before a resume
         self.timed = [0, 0.0]  # steps and seconds this process measured after its first warm-up steps
 
     def lr(self, step: int) -> float:
         "The learning rate of optimizer step `step` under the current plan."
-        return lr_at(step, replace(self.training, max_steps=self.max_steps, warmup_steps=self.warmup_steps))
+        return lr_at(step, replace(self.config, max_steps=self.max_steps, warmup_steps=self.warmup_steps))
 
     def record_step_time(self, seconds: float, nth: int):
         "Count a training step's `seconds` (the `nth` of this process) against the budget, and for the cost estimate."
@@ -164,10 +164,10 @@ class Schedule:
         if self.budget is None or n < BUDGET_CALIBRATION_STEPS:
             return False
         left = max(0.0, self.budget - self.train_seconds)
-        planned = min(self.training.max_steps, step + int(left / (spent / n)))
+        planned = min(self.config.max_steps, step + int(left / (spent / n)))
         if agree is not None:  # every rank takes the same plan
             planned = agree(planned)
-        if self.max_steps == self.training.max_steps:  # the first plan: fit the warmup too
+        if self.max_steps == self.config.max_steps:  # the first plan: fit the warmup too
             self.warmup_steps = min(self.warmup_steps, planned // 10)
         self.max_steps = max(planned, step)
         return True
@@ -270,8 +270,8 @@ class Trainer:
         # parameters the step treats apart
         self.clip_groups = clip_groups(self.raw_model, cfg.optim.clip_groups)  # by parameter role
         self.bp_params = params_with_role(self.raw_model, "boundary")
-        # the plan: how many steps the run takes, and its warmup (training.time_budget re-plans both)
-        self.schedule = Schedule(cfg.training, clock)
+        # the plan: how many steps the run takes, and its warmup (schedule.time_budget re-plans both)
+        self.schedule = Schedule(cfg.schedule, clock)
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
         self.nonfinite_run = 0  # non-finite steps in a row
@@ -328,7 +328,7 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.training.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
         if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
             norm = norm.full_tensor()
         for key, group in self.clip_groups.items():
@@ -341,7 +341,7 @@ class Trainer:
     def bp_freeze_steps(self) -> int:
         "Optimizer steps during which the boundary predictor's parameters keep their initial values."
         o = self.cfg.optim
-        return self.cfg.training.warmup_steps if o.bp_freeze_steps < 0 else o.bp_freeze_steps
+        return self.cfg.schedule.warmup_steps if o.bp_freeze_steps < 0 else o.bp_freeze_steps
 
     @property
     def bp_frozen(self) -> bool:
@@ -370,7 +370,7 @@ class Trainer:
         if self.nonfinite_run >= self.cfg.training.max_nonfinite:
             raise NonFiniteError(
                 f"{self.nonfinite_run} non-finite steps in a row at step {self.step}: stopping. The last complete "
-                "checkpoint is untouched; lower training.lr, raise model.moe.z_loss_weight or check the data"
+                "checkpoint is untouched; lower schedule.lr, raise model.moe.z_loss_weight or check the data"
             )
 
     def min_over_ranks(self, n: int) -> int:

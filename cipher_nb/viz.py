@@ -126,10 +126,10 @@ def plot_loss(rows: list, ax, cfg: Config = None):
 def plot_lr(rows: list, ax, cfg: Config = None):
     "The logged learning rate on top of the planned schedule (`lr_at`)."
     if cfg is not None:
-        t = cfg.training
+        plan = cfg.schedule
         ax.plot(
-            np.arange(1, t.max_steps + 1),
-            [lr_at(k, t) for k in range(t.max_steps)],
+            np.arange(1, plan.max_steps + 1),
+            [lr_at(k, plan) for k in range(plan.max_steps)],
             color="0.75",
             lw=2,
             label="schedule",
@@ -155,7 +155,7 @@ def plot_grad_norm(rows: list, ax, cfg: Config = None):
         gs, gv = metric(rows, k)
         ax.plot(gs, gv, "--", lw=1, label=k.split("/", 1)[1])
     if cfg is not None:
-        _hline(ax, cfg.training.grad_clip, f"clip {cfg.training.grad_clip:g}")
+        _hline(ax, cfg.optim.grad_clip, f"clip {cfg.optim.grad_clip:g}")
         _hline(ax, cfg.monitor.max_grad_norm, f"gate {cfg.monitor.max_grad_norm:g}", "tab:red")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
@@ -321,7 +321,7 @@ def load_export(path) -> tuple:
 
 def final_bp_mode(cfg: Config) -> str:
     "The boundary mode the curriculum trained the last step with (what the model is used with after training)."
-    return Curriculum(cfg).bp_mode(cfg.training.max_steps - 1)
+    return Curriculum(cfg).bp_mode(cfg.schedule.max_steps - 1)
 
 
 @torch.no_grad()

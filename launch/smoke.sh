@@ -15,7 +15,7 @@ need PERSIST "the persistent volume for checkpoints"
 NPROC="${NPROC:-8}"; STEPS="${SMOKE_STEPS:-20}"; HALF=$((STEPS / 2))
 NAME="smoke-$(date +%Y%m%d-%H%M%S)"; OUT="${OUT:-runs/$NAME}"
 # the save is synchronous here, so the kill lands after a complete checkpoint and its mirror copy
-SETTINGS=("$@" "training.max_steps=$STEPS" "training.warmup_steps=$((STEPS / 4))" "training.checkpoint_every=$HALF"
+SETTINGS=("$@" "schedule.max_steps=$STEPS" "schedule.warmup_steps=$((STEPS / 4))" "training.checkpoint_every=$HALF"
           "training.eval_every=$HALF" "training.log_every=$((HALF > 5 ? 5 : 1))" "training.eval_batches=2"
           "training.background_save=false" "training.persistent_dir=$PERSIST" "training.run_name=$NAME")
 TORCHRUN=(torchrun --standalone --nproc_per_node="$NPROC" --no-python cipher-train "$CONFIG" "${SETTINGS[@]}" --quiet)

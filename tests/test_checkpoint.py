@@ -274,7 +274,7 @@ def test_unsafe_pickle_is_refused_and_never_runs(tmp_path):
 def _pretrain_ckpt(tmp_path, fingerprint, stage="pretrain", **over):
     cfg = load_config(None, [f"stage.name={stage}", *[f"{k}={v}" for k, v in over.items()]])
     m = nn.Linear(4, 4)
-    opt = torch.optim.AdamW(m.parameters(), lr=cfg.training.lr)
+    opt = torch.optim.AdamW(m.parameters(), lr=cfg.schedule.lr)
     m(torch.randn(2, 4)).sum().backward()
     opt.step()
     return save_checkpoint(
@@ -315,7 +315,7 @@ def test_refinement_on_another_selection_of_equal_size_is_rejected(tmp_path):
 def test_resume_with_a_changed_lr_is_refused_naming_the_key(tmp_path):
     p, cfg = _pretrain_ckpt(tmp_path, "fp")
     check_resume(read_meta(p), cfg, world_size=1)
-    changed = load_config(None, ["training.lr=5e-4"])
+    changed = load_config(None, ["schedule.lr=5e-4"])
     with pytest.raises(ResumeError, match=r"training\.lr: 0\.001 in the checkpoint, 0\.0005 now"):
         check_resume(read_meta(p), changed, world_size=1)
     with pytest.raises(ResumeError, match=r"\(world_size\)"):
@@ -326,7 +326,7 @@ def test_exact_resume_restores_everything(tmp_path):
     p, cfg = _pretrain_ckpt(tmp_path, "fp")
     torch.manual_seed(1)
     m = nn.Linear(4, 4)
-    opt = torch.optim.AdamW(m.parameters(), lr=cfg.training.lr)
+    opt = torch.optim.AdamW(m.parameters(), lr=cfg.schedule.lr)
     info = restore_training_state(p, m, opt)
     saved = load_checkpoint(p)
     assert (info["step"], info["tokens"]) == (10, 640)

@@ -65,7 +65,7 @@ def test_flat_key_and_nested_twin_is_an_error(tmp_path):
 
 def test_unknown_key_suggests_the_closest():
     r = run_cli(cli(), "examples/configs/tiny-cpu.yaml", "training.warmup=10")
-    assert r.returncode != 0 and "did you mean 'training.warmup_steps'" in r.stderr
+    assert r.returncode != 0 and "did you mean 'schedule.warmup_steps'" in r.stderr
 
 
 def test_every_preset_loads():
@@ -118,7 +118,7 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
 
     p, d = load_config(ROOT / "examples/configs/tiny-cpu-90s.yaml"), Config()
     assert (p.training.batch_size, p.training.seq_len) == (12, 64)
-    assert parse_duration(p.training.time_budget) == 90
+    assert parse_duration(p.schedule.time_budget) == 90
     assert p.training.eval_batches * p.training.batch_size * p.training.seq_len >= (
         d.training.eval_batches * d.training.batch_size * d.training.seq_len
     )

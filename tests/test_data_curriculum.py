@@ -12,7 +12,7 @@ def cfg(workers, grad_accum):
     c.data.sources = {"en": dict(source="mock", path="latin"), "code": dict(source="mock", path="code")}
     c.data.phases = [dict(until=0.5, mix=dict(en=1)), dict(until=1.0, mix=dict(code=1))]
     c.data.num_workers, c.data.heldout_frac, c.data.max_bytes = workers, 0.0, 48
-    c.training.max_steps, c.training.grad_accum, c.training.batch_size, c.training.seq_len = 26, grad_accum, 2, 128
+    c.schedule.max_steps, c.training.grad_accum, c.training.batch_size, c.training.seq_len = 26, grad_accum, 2, 128
     return c
 
 

@@ -31,9 +31,9 @@ RUN = [
     "training.device=cpu",
     "training.seq_len=64",
     "training.batch_size=4",
-    "training.lr=3e-3",
-    "training.warmup_steps=2",
-    "training.max_steps=14",
+    "schedule.lr=3e-3",
+    "schedule.warmup_steps=2",
+    "schedule.max_steps=14",
     "training.log_every=1",
     "training.eval_every=1000",
     "training.checkpoint_every=1000",
@@ -57,7 +57,7 @@ def test_engram_trains_and_logs_its_gate(tmp_path, name, extra):
     tr.fit(progress=False)
     rows = [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r and "engram/gate" in r]
-    assert len(train) == cfg.training.max_steps
+    assert len(train) == cfg.schedule.max_steps
     losses = [r["loss"] for r in train]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
     for r in train:
@@ -76,7 +76,7 @@ def test_tables_take_the_memory_multiplier_and_stay_off_muon():
     model = CipherModel(cfg.model)
     g = memory_group(param_groups(model, cfg))
     assert sorted(g["names"]) == TABLES and g["lr_mult"] == 7.0 and g["weight_decay"] == 0.0
-    assert g["lr"] == pytest.approx(7.0 * cfg.training.lr)
+    assert g["lr"] == pytest.approx(7.0 * cfg.schedule.lr)
     names = muon_names(model, cfg)
     assert not [n for n in names if "memory" in n]
     assert {"engram.0.wk.weight", "engram.0.wo.weight"} <= set(names)  # the projections are hidden matrices
@@ -92,10 +92,10 @@ def test_tables_move_faster_with_the_multiplier():
     "One AdamW step from the same state: the tables move lr_mult times as far (Adam's first step is lr x sign)."
     steps = {}
     for mult in (1.0, 5.0):
-        cfg = load_config(None, [*ENGRAM, f"optim.lr_mult.memory={mult}", "training.weight_decay=0.0"])
+        cfg = load_config(None, [*ENGRAM, f"optim.lr_mult.memory={mult}", "optim.weight_decay=0.0"])
         torch.manual_seed(0)
         model = CipherModel(cfg.model)
-        opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.training.lr)
+        opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.schedule.lr)
         set_lr(opt, 1e-3)
         before = model.engram["0"].memory.weight.detach().clone()
         x = torch.randint(0, 256, (2, 32))

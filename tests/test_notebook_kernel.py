@@ -56,7 +56,7 @@ def test_figures_and_dashboard_show_as_png(tmp_path):
         "from cipher_nb.dashboard import LiveDashboard\n"
         "dash = LiveDashboard()\n"
         "warnings.simplefilter('ignore', HealthWarning)\n"
-        f"cfg = load_config(None, {SMALL + ['training.max_steps=4', 'training.warmup_steps=1']!r})\n"
+        f"cfg = load_config(None, {SMALL + ['schedule.max_steps=4', 'schedule.warmup_steps=1']!r})\n"
         f"build_trainer(cfg, {str(dash_run)!r}, callbacks=[dash], progress=False).fit(progress=False)\n"
         "dash.widget, dash.draws",
     )
@@ -75,7 +75,7 @@ def test_figures_and_dashboard_show_as_png(tmp_path):
 def test_interrupt_stops_the_queued_cells(tmp_path):
     "A kernel interrupt during fit: an emergency checkpoint, then KeyboardInterrupt, so the next cell never runs."
     run, marker = tmp_path / "run", tmp_path / "second_cell_ran"
-    overrides = SMALL + ["training.max_steps=20000", "training.checkpoint_every=100000", "training.eval_every=100000"]
+    overrides = SMALL + ["schedule.max_steps=20000", "training.checkpoint_every=100000", "training.eval_every=100000"]
     nb = notebook(
         "import warnings\n"
         "from cipher_nb.config import load_config\n"

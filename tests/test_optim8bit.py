@@ -16,8 +16,8 @@ SETTINGS = [  # a small FSDP2 run on CPU with the 8-bit optimizer
     "training.seq_len=64",
     "training.batch_size=4",
     "training.eval_batches=1",
-    "training.warmup_steps=1",
-    "training.max_steps=4",
+    "schedule.warmup_steps=1",
+    "schedule.max_steps=4",
     "training.log_every=1",
     "training.checkpoint_every=2",
     "training.eval_every=2",
@@ -76,7 +76,7 @@ WORKER = textwrap.dedent("""
     dist.init_process_group('gloo')
     rank, run = dist.get_rank(), sys.argv[1]
     cfg = Config()
-    cfg.optim.name, cfg.training.lr = 'adamw8bit', 1e-2
+    cfg.optim.name, cfg.schedule.lr = 'adamw8bit', 1e-2
 
     def build(seed):
         torch.manual_seed(seed)

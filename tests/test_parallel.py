@@ -39,8 +39,8 @@ RUN = [
     "training.device=cpu",
     "training.seq_len=64",
     "training.batch_size=4",
-    "training.warmup_steps=2",
-    "training.max_steps=20",
+    "schedule.warmup_steps=2",
+    "schedule.max_steps=20",
     "training.log_every=1",
     "training.eval_every=1000",
     "training.checkpoint_every=1000",
@@ -149,7 +149,7 @@ WORKER = textwrap.dedent("""
 
     out = Path(sys.argv[1])
     cfg = load_config(None, [*SMALL_MODEL, "data.source=mock", "training.device=cpu", "training.seq_len=64",
-        "training.batch_size=4", "training.warmup_steps=2", "training.max_steps=6", "training.log_every=1",
+        "training.batch_size=4", "schedule.warmup_steps=2", "schedule.max_steps=6", "training.log_every=1",
         "training.checkpoint_every=3", "training.eval_every=1000", "training.parallel=fsdp",
         "training.precision=bf16", "training.activation_checkpoint=selective"])
 

@@ -251,7 +251,7 @@ def fresh(name, lr=3e-3):
     model = Tiny(tiny_cfg(moe_impl="bmm"))
     cfg = Config()
     cfg.optim.name = name
-    cfg.training.lr = lr
+    cfg.schedule.lr = lr
     return model, build_optimizer(model, cfg)
 
 

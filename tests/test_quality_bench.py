@@ -152,7 +152,7 @@ def test_moe_muonx_puts_the_experts_on_muon(tmp_path):
     from types import SimpleNamespace
 
     a = SimpleNamespace(
-        config=None, overrides=["model.n_layers=2", "training.warmup_steps=1"], plan="steps", clock="cpu"
+        config=None, overrides=["model.n_layers=2", "schedule.warmup_steps=1"], plan="steps", clock="cpu"
     )
     tr = quality.contender_trainer(a, "moe+muon", 0, 5, tmp_path / "a")[0]
     assert tr.optimizer.experts is None and any(

@@ -29,7 +29,7 @@ TINY = [
     "training.seq_len=64",
     "training.batch_size=4",
     "training.eval_batches=2",
-    "training.warmup_steps=2",
+    "schedule.warmup_steps=2",
     "training.eval_every=2",
     "training.checkpoint_every=2",
     "data.source=mock",
@@ -184,11 +184,11 @@ CONFIG = [
         prepare=_write("five.yaml", "training: 5\n"),
     ),
     usage("unknown key", *TINY, "model.moe.topk=2", says="did you mean 'model.moe.top_k'"),
-    usage("learning rate of 0", *TINY, "training.lr=0", says="training.lr (0.0) must be positive"),
+    usage("learning rate of 0", *TINY, "schedule.lr=0", says="schedule.lr (0.0) must be positive"),
     usage("wrong type", *TINY, "training.batch_size=many", says="training.batch_size: expected int"),
     usage("unknown choice", *TINY, "training.precision=fp7", says="training.precision = 'fp7': choose one of"),
-    usage("negative steps", *TINY, "--max-steps", "-3", says="training.max_steps"),
-    usage("zero steps", *TINY, "training.max_steps=0", says="training.max_steps"),
+    usage("negative steps", *TINY, "--max-steps", "-3", says="schedule.max_steps"),
+    usage("zero steps", *TINY, "schedule.max_steps=0", says="schedule.max_steps"),
     usage(
         "checkpoint_every 0", *TINY, "--max-steps", "4", "training.checkpoint_every=0", says="training.checkpoint_every"
     ),
@@ -360,7 +360,7 @@ def _other_shape(tmp, base):
 
 def _changed_lr(tmp, base):
     run = copy_of(base, tmp)
-    return in_process("--out", run, "--quiet", "--resume", "auto", *TINY, "training.lr=1e-2")
+    return in_process("--out", run, "--quiet", "--resume", "auto", *TINY, "schedule.lr=1e-2")
 
 
 def _untouched(tmp):
@@ -374,7 +374,7 @@ CHECKPOINTS = [
     Case("resume of a checkpoint without its marker", _no_marker, 2, "COMPLETE"),
     Case("resume of a checkpoint with an old marker", _old_marker, 0, "predates checksums", _fell_back, False),
     Case("--init into a model of another shape", _other_shape, 2, "do not fit", nothing_written),
-    Case("resume with a changed learning rate", _changed_lr, 2, "training.lr", _untouched, False),
+    Case("resume with a changed learning rate", _changed_lr, 2, "schedule.lr", _untouched, False),
 ]
 
 

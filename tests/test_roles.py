@@ -76,7 +76,7 @@ def old_groups(model, cfg, exclude=()) -> list:
         if not p.requires_grad or name in exclude:
             continue
         decay = cfg.optim.decay_all or not (p.ndim < 2 or id(p) in embeddings)
-        wd, mult = (cfg.training.weight_decay if decay else 0.0), old_mult(name, old_keys(cfg.optim.lr_mult))
+        wd, mult = (cfg.optim.weight_decay if decay else 0.0), old_mult(name, old_keys(cfg.optim.lr_mult))
         groups.setdefault((wd, mult), []).append(name)
     return [(wd, mult, names) for (wd, mult), names in groups.items()]
 

@@ -21,8 +21,8 @@ SETTINGS = [  # a small FSDP2 run on CPU: each rank writes its own shards into t
     "training.seq_len=64",
     "training.batch_size=4",
     "training.eval_batches=1",
-    "training.warmup_steps=1",
-    f"training.max_steps={STEPS}",
+    "schedule.warmup_steps=1",
+    f"schedule.max_steps={STEPS}",
     "training.log_every=1",
     f"training.checkpoint_every={EVERY}",
     f"training.eval_every={EVERY}",
@@ -134,8 +134,8 @@ SINGLE = [
     "training.seq_len=64",
     "training.batch_size=4",
     "training.eval_batches=1",
-    "training.warmup_steps=1",
-    "training.max_steps=6",
+    "schedule.warmup_steps=1",
+    "schedule.max_steps=6",
     "training.checkpoint_every=3",
     "training.eval_every=3",
 ]
@@ -170,8 +170,8 @@ def test_supervisor_follows_the_exit_code_contract(code, restarted):
 
 
 def test_supervisor_does_not_loop_on_a_config_error(tmp_path):
-    r = supervise(str(BIN / "cipher-train"), "training.lr=0", "--out", str(tmp_path / "run"), "--resume", "auto")
-    assert r.returncode == 2 and "training.lr" in r.stderr
+    r = supervise(str(BIN / "cipher-train"), "schedule.lr=0", "--out", str(tmp_path / "run"), "--resume", "auto")
+    assert r.returncode == 2 and "schedule.lr" in r.stderr
     assert r.stderr.count("cipher-train:") == 1 and "not restarting" in r.stderr
 
 

@@ -17,7 +17,7 @@ PRETRAIN = [
     *MODEL,
     "training.seq_len=128",
     "training.batch_size=8",
-    "training.warmup_steps=5",
+    "schedule.warmup_steps=5",
     "training.eval_batches=2",
     "training.eval_every=1000",
     "training.checkpoint_every=1000",
@@ -30,8 +30,8 @@ SFT = [
     "training.log_every=5",
     "sft.max_train_examples=96",
     "sft.epochs=2",
-    "sft.lr=2e-3",
-    "sft.min_lr=2e-4",
+    "schedule.lr=2e-3",
+    "schedule.min_lr=2e-4",
 ]
 ENV = {"OMP_NUM_THREADS": "1"}  # these models are tiny: one thread is faster, and far faster on a busy machine
 

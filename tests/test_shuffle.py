@@ -154,9 +154,9 @@ def test_a_trainer_resumed_on_a_shuffled_jsonl_source_ends_bit_identical(tmp_pat
 
     spec = write_source(tmp_path, "jsonl")
     over = [*SMALL_MODEL, "data.source=files", f"data.path={spec.path}", "data.heldout_frac=0.0"]
-    over += ["training.device=cpu", "training.seq_len=32", "training.batch_size=2", "training.max_steps=4"]
+    over += ["training.device=cpu", "training.seq_len=32", "training.batch_size=2", "schedule.max_steps=4"]
     over += [
-        "training.warmup_steps=1",
+        "schedule.warmup_steps=1",
         "training.checkpoint_every=2",
         "training.eval_every=1000",
         "training.log_every=1",

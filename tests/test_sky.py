@@ -94,11 +94,11 @@ def test_undeclared_variables_hand_case():
 
 def test_node_maps_skypilot_variables():
     t = task("node.yaml")
-    lines = dry_run(t, gpus=4, OVERRIDES="training.max_steps=5")
+    lines = dry_run(t, gpus=4, OVERRIDES="schedule.max_steps=5")
     pre, run = command(lines, "preflight.py"), command(lines, "torchrun")
     assert pre[pre.index("--gpus") + 1] == "4"
     assert "--standalone" in run and "--nproc_per_node=4" in run
-    assert "training.persistent_dir=/ckpt/persist" in run and "training.max_steps=5" in run
+    assert "training.persistent_dir=/ckpt/persist" in run and "schedule.max_steps=5" in run
     assert run[run.index("--out") + 1] == f"runs/{t['envs']['RUN_NAME']}"
     assert run[run.index("--resume") + 1] == "auto"
 

@@ -20,7 +20,7 @@ SMALL = [
     "training.seq_len=64",
     "training.batch_size=2",
     "training.grad_accum=1",
-    "training.warmup_steps=1",
+    "schedule.warmup_steps=1",
     "training.compile=false",
     "training.eval_batches=1",
 ]

@@ -18,7 +18,7 @@ SMALL = [
     "training.seq_len=64",
     "training.batch_size=4",
     "training.eval_batches=2",
-    "training.warmup_steps=2",
+    "schedule.warmup_steps=2",
 ]
 
 
@@ -47,7 +47,7 @@ def test_default_run_writes_the_run_directory(tmp_path):
         "training.eval_every=20",
         "training.checkpoint_every=20",
         "training.eval_batches=2",
-        "training.warmup_steps=5",
+        "schedule.warmup_steps=5",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     for f in (

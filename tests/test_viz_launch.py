@@ -91,10 +91,10 @@ def dry(script, *args, **env):
 
 
 def test_single_node_command():
-    pre, train = dry("train_node.sh", "examples/configs/h100.yaml", "training.lr=2e-4", PERSIST="/mnt/p", RUN_NAME="a")
+    pre, train = dry("train_node.sh", "examples/configs/h100.yaml", "schedule.lr=2e-4", PERSIST="/mnt/p", RUN_NAME="a")
     assert pre[1].endswith("launch/preflight.py") and "--gpus" in pre and pre[pre.index("--gpus") + 1] == "8"
     assert train[:5] == ["torchrun", "--standalone", "--nproc_per_node=8", "--no-python", "cipher-train"]
-    assert "training.persistent_dir=/mnt/p" in train and "training.lr=2e-4" in train
+    assert "training.persistent_dir=/mnt/p" in train and "schedule.lr=2e-4" in train
     assert "data.tokenizer=/mnt/p/tokenizers/h100.json" in train  # the token-level preset's tokenizer, trained once
     assert train[train.index("--out") + 1] == "runs/a" and train[train.index("--resume") + 1] == "auto"
     # preflight checks exactly the config the job trains
