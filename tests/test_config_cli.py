@@ -17,7 +17,7 @@ def test_h100_preset_prints_its_values():
     r = run_cli(cli(), "examples/configs/h100.yaml")
     assert r.returncode == 0, r.stderr
     body = yaml.safe_load("\n".join(line for line in r.stdout.splitlines() if not line.startswith("#")))
-    m, t = body["model"], body["training"]
+    m, t, s, o = body["model"], body["training"], body["schedule"], body["optim"]
     a, e = m["attention"], m["moe"]
     assert (m["vocab"], m["d_model"], m["n_layers"], a["n_heads"], a["n_kv_heads"], a["head_dim"]) == (
         32768,
@@ -28,8 +28,8 @@ def test_h100_preset_prints_its_values():
         64,
     )
     assert (e["n_routed"], e["n_shared"], e["top_k"], e["expert_d_ff"]) == (32, 2, 4, 128)
-    assert (t["seq_len"], t["batch_size"], t["grad_accum"], t["lr"], t["min_lr"]) == (2048, 4, 12, 3e-4, 3e-5)
-    assert (t["warmup_steps"], t["max_steps"], t["weight_decay"], t["grad_clip"], t["precision"]) == (
+    assert (t["seq_len"], t["batch_size"], t["grad_accum"], s["lr"], s["min_lr"]) == (2048, 4, 12, 3e-4, 3e-5)
+    assert (s["warmup_steps"], s["max_steps"], o["weight_decay"], o["grad_clip"], t["precision"]) == (
         200,
         10000,
         0.1,
@@ -129,7 +129,8 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
         "engram": {**asdict(d.model.engram), "layers": [1, 2]},
     }
     changed = {k for k, v in asdict(p.training).items() if v != asdict(d.training)[k]}
-    assert changed == {"batch_size", "seq_len", "time_budget", "eval_batches"}, changed
+    assert changed == {"batch_size", "seq_len", "eval_batches"}, changed
+    assert {k for k, v in asdict(p.schedule).items() if v != asdict(d.schedule)[k]} == {"time_budget"}
     assert p.optim.name == "muon" and {k for k, v in asdict(p.optim).items() if v != asdict(d.optim)[k]} == {"name"}
 
 

@@ -92,7 +92,7 @@ def test_chain_sft_improves_on_its_source(sft_run, capsys):
     assert any(n.startswith("sft data stdlib-qa") for n in rec["limitations"])
     assert [e["step"] for e in rec["evals"]] == [0, spe, 2 * spe] and rec["selection_rule"]
     assert (
-        cfg["training"]["lr"] == 2e-3 and cfg["training"]["max_steps"] == 2 * spe and cfg["training"]["eval_at_start"]
+        cfg["schedule"]["lr"] == 2e-3 and cfg["schedule"]["max_steps"] == 2 * spe and cfg["training"]["eval_at_start"]
     )
 
 

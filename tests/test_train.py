@@ -231,4 +231,4 @@ def test_a_time_budget_plans_the_steps_and_records_them(tmp_path):
 def yaml_max_steps(run) -> int:
     import yaml
 
-    return yaml.safe_load((run / "config.yaml").read_text())["training"]["max_steps"]
+    return yaml.safe_load((run / "config.yaml").read_text())["schedule"]["max_steps"]
