@@ -91,7 +91,9 @@ _MOVED = dict(
     + ["ortho_weight", "moe_impl"],
     recurrence=["n_prelude", "n_core", "n_coda", "n_loops", "random_loops", "backprop_loops"],
 )
-_OWNERS = dict(schedule=["lr", "min_lr", "warmup_steps", "max_steps", "time_budget"], optim=["weight_decay", "grad_clip"])
+_OWNERS = dict(
+    schedule=["lr", "min_lr", "warmup_steps", "max_steps", "time_budget"], optim=["weight_decay", "grad_clip"]
+)
 LEGACY_KEYS = {  # old key -> new path; model.boundary first, since the other boundary keys move under it
     **{f"model.{k}": f"model.{s}.{_RENAMED.get(k, k.removeprefix('bp_'))}" for s, ks in _MOVED.items() for k in ks},
     **{f"training.{k}": f"{owner}.{k}" for owner, ks in _OWNERS.items() for k in ks},

@@ -293,11 +293,12 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict, where: str = "
     return True
 
 # %% ../nbs/08a_optim.ipynb #58134f49
-def lr_at(step: int, s: ScheduleConfig) -> float:
-    "Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to `min_lr`."
-    if step < s.warmup_steps:
-        return s.lr * (step + 1) / s.warmup_steps
-    progress = min(1.0, (step - s.warmup_steps) / max(1, s.max_steps - s.warmup_steps))
+def lr_at(step: int, s: ScheduleConfig, max_steps: int = None, warmup_steps: int = None) -> float:
+    "Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to `min_lr` (a plan's horizon)."
+    steps, warmup = max_steps or s.max_steps, s.warmup_steps if warmup_steps is None else warmup_steps
+    if step < warmup:
+        return s.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
     return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
 
 # %% ../nbs/08a_optim.ipynb #1533d81b

@@ -17,7 +17,6 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -150,7 +149,7 @@ class Schedule:
 
     def lr(self, step: int) -> float:
         "The learning rate of optimizer step `step` under the current plan."
-        return lr_at(step, replace(self.config, max_steps=self.max_steps, warmup_steps=self.warmup_steps))
+        return lr_at(step, self.config, self.max_steps, self.warmup_steps)
 
     def record_step_time(self, seconds: float, nth: int):
         "Count a training step's `seconds` (the `nth` of this process) against the budget, and for the cost estimate."
