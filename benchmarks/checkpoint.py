@@ -11,7 +11,7 @@ marker); the same `torch.save` + fsync with no hash and no marker (what the chec
 with hashlib alone (what the check costs a load); and a plain copy of the same `state.pt` with fsync, which is the
 disk's own speed. The
 last column divides each row's throughput by the disk copy's, so 1.0 means the save runs at the disk's limit.
-Each number is the median of `--repeats` runs. The model is `cipher_nb.model.CipherModel` when that module exists,
+Each number is the median of `--repeats` runs. The model is `cipher_nb.model.lm.CipherModel` when that module exists,
 otherwise a stand-in with exactly the preset's parameter count (same bytes; checkpoint I/O does not care about shapes).
 
 --fsdp (under torchrun; gloo on CPU, NCCL on GPUs): an MLP of `--depth` square layers of `--width`, each layer its own
@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cipher_nb.checkpoint import STATE, checkpoint_name, load_checkpoint, save_checkpoint
-from cipher_nb.checkpointer import Checkpointer, checkpoint_meta, restore_training_state, training_state
-from cipher_nb.config import load_config
+from cipher_nb.config.load import load_config
+from cipher_nb.config.sizing import param_counts
 from cipher_nb.core import resolve_device
-from cipher_nb.export import compare_state_dicts
-from cipher_nb.sizing import param_counts
+from cipher_nb.persist.checkpointer import Checkpointer, checkpoint_meta, restore_training_state, training_state
+from cipher_nb.persist.export import compare_state_dicts
+from cipher_nb.persist.files import STATE, checkpoint_name, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,14 +60,14 @@ class StandIn(nn.Module):
 
 def build(cfg, device):
     try:
-        from cipher_nb.model import CipherModel
+        from cipher_nb.model.lm import CipherModel
 
-        return CipherModel(cfg.model).to(device), "cipher_nb.model.CipherModel"
+        return CipherModel(cfg.model).to(device), "cipher_nb.model.lm.CipherModel"
     except ImportError:
         n = param_counts(cfg.model)["total"]
         return StandIn(n, cfg.model.vocab, cfg.model.d_model).to(
             device
-        ), f"stand-in with {n:,} parameters (cipher_nb.model not found)"
+        ), f"stand-in with {n:,} parameters (cipher_nb.model.lm not found)"
 
 
 def sync(device):

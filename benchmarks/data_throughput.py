@@ -9,7 +9,8 @@ batches (4 x 2048) in this one process (the DataLoader row adds its worker proce
 and noisy. The script loop is the Spider-FLEXITOKENS training script's `ByteLevelDataset.__iter__` re-typed:
 `list(text.encode())` per document, a Python list as the buffer, `torch.tensor` per window; it gets the documents
 already decoded to `str`, as `datasets` would hand them over. A preset's consumption is one H100 at 100% MFU
-(989 TFLOP/s dense bf16, an upper bound) divided by the training FLOPs per token of `cipher_nb.config.flops_per_token`,
+(989 TFLOP/s dense bf16, an upper bound) divided by the training FLOPs per token of
+`cipher_nb.config.sizing.flops_per_token`,
 times bytes per token: 1 for the byte-level FlexiTokens preset, `--bytes-per-token` (default 4.5, typical of a 32k
 BPE on English web text; the tokenizer row also measures it here, on code) for the token-level H100 preset.
 """
@@ -21,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from cipher_nb.codecs import train_bpe
-from cipher_nb.config import load_config
-from cipher_nb.data import stdlib_docs
-from cipher_nb.loader import Packer, mixture_loader
-from cipher_nb.sizing import flops_per_token
+from cipher_nb.config.load import load_config
+from cipher_nb.config.sizing import flops_per_token
+from cipher_nb.data.codecs import train_bpe
+from cipher_nb.data.loader import Packer, mixture_loader
+from cipher_nb.data.sources import stdlib_docs
 
 ROOT = Path(__file__).resolve().parent.parent
 H100_BF16 = 989e12  # dense bf16 FLOP/s of an H100 SXM

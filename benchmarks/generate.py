@@ -17,9 +17,9 @@ import time
 import numpy as np
 import torch
 
-from cipher_nb.config import model_config
-from cipher_nb.evaluate import sample_ids
-from cipher_nb.model import CipherModel
+from cipher_nb.config.load import model_config
+from cipher_nb.eval.harness import sample_ids
+from cipher_nb.model.lm import CipherModel
 
 CONFIGS = {
     "tiny-cpu": {},

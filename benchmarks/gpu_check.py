@@ -5,12 +5,14 @@ With no `--modes`, one run measures the whole plan (`PLAN` below): the H100 pres
 eager, bf16 compiled and fp8 compiled, then the wide preset (a 0.8B dense model of width 2048) in bf16 compiled, fp8
 compiled and bf16 compiled with full activation checkpointing, and last the H100 preset in fp8 with the size filter
 off (every layer converted). Each mode gets a fresh `CipherModel`, random token batches of the preset's shape, the
-precision chosen by `cipher_nb.precision` (the conversion keeps layers narrower than `training.fp8_min_dim` in bf16,
+precision chosen by `cipher_nb.optim.precision` (the conversion keeps layers narrower than
+`training.fp8_min_dim` in bf16,
 and the report says which), the project's optimizer and autocast. A mode spec is `MODE[:recipe][+compile][+ac][+all]`:
 `+compile` compiles each block (regional compilation), `+ac` checkpoints each block's activations, `+all` sets
 `fp8_min_dim` to 0. The spec, not the preset's `training.compile`, decides compilation.
 
-Printed per preset: tok/s, MFU (FLOPs per token from `cipher_nb.sizing.flops_per_token`, without the recomputation of
+Printed per preset: tok/s, MFU (FLOPs per token from `cipher_nb.config.sizing.flops_per_token`, without the
+recomputation of
 activation checkpointing, against the dense bf16 peak, 989 TFLOP/s for H100 and H200 SXM, for every mode), peak
 memory, the time of the first step (compilation and autotuning; the timed steps start after the warmup), the share
 of matmul FLOPs that ran in low precision, and ratios to the preset's first mode. `--time-limit` skips the modes that
@@ -34,15 +36,15 @@ import torch.nn as nn
 from fastcore.script import CliError, call_parse
 from torch.utils.checkpoint import checkpoint
 
-from cipher_nb.config import load_config
+from cipher_nb.config.load import load_config
+from cipher_nb.config.sizing import flops_per_token, param_counts
 from cipher_nb.core import autocast, resolve_device, seed_everything
-from cipher_nb.model import CipherModel
-from cipher_nb.optim import build_optimizer
-from cipher_nb.precision import convert_model, detect_precision, probe_device, probe_libs
-from cipher_nb.sizing import flops_per_token, param_counts
+from cipher_nb.model.lm import CipherModel
+from cipher_nb.optim.optimizers import build_optimizer
+from cipher_nb.optim.precision import convert_model, detect_precision, probe_device, probe_libs
 
 try:  # the project's block-wise checkpointing and compilation, where this checkout has them
-    from cipher_nb.parallel import apply_ac, apply_compile
+    from cipher_nb.optim.parallel import apply_ac, apply_compile
 except ImportError:  # an older checkout: the script's own equivalents below
     apply_ac = apply_compile = None
 
@@ -99,7 +101,7 @@ def parse_mode(spec: str) -> dict:
     )
 
 
-class Checkpointed(nn.Module):  # the fallback when cipher_nb.parallel is missing
+class Checkpointed(nn.Module):  # the fallback when cipher_nb.optim.parallel is missing
     "A block whose activations are recomputed in the backward pass instead of kept (full activation checkpointing)."
 
     def __init__(self, block: nn.Module):
@@ -320,7 +322,11 @@ def main(
         f"libraries: {', '.join(k for k in ('float8', 'fp8_grouped', 'mxfp8', 'nvfp4', 'triton') if getattr(libs, k))}"
         + (f"; missing: {libs.why}" if libs.why else "")
     )
-    where = "cipher_nb.parallel" if apply_compile is not None else "this script's fallback (no cipher_nb.parallel)"
+    where = (
+        "cipher_nb.optim.parallel"
+        if apply_compile is not None
+        else "this script's fallback (no cipher_nb.optim.parallel)"
+    )
     print(f"compile and activation checkpointing: {where}")
     if smoke and not cpu_compile:
         print("smoke: +compile modes run eagerly (pass --cpu-compile to compile on the CPU)")

@@ -1,5 +1,5 @@
 """Peak memory and time of the LM loss, forward + backward, at the H100 preset's output shape: the chunked fused
-cross-entropy of `cipher_nb.model` against the plain path (full logits, then `F.cross_entropy`), side by side.
+cross-entropy of `cipher_nb.model.lm` against the plain path (full logits, then `F.cross_entropy`), side by side.
 
     python benchmarks/loss_memory.py [--tokens 8192] [--vocab 32768] [--d-model 512] [--chunk 1024] [--reps 2]
         [--device cpu]
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from cipher_nb.model import fused_cross_entropy
+from cipher_nb.model.lm import fused_cross_entropy
 
 
 def plain(h, w, y, chunk):

@@ -13,7 +13,8 @@ a time. The loader's specials become the minimal GPT's own vocabulary this way: 
 each document) is read as byte 0, a document separator; a special target (the EOS that closes a document, padding)
 is never trained on nor scored.
 
-Scoring: `HeldoutView` wraps the model in the interface `cipher_nb.metrics.heldout_metrics` calls (`model(input_ids=,
+Scoring: `HeldoutView` wraps the model in the interface `cipher_nb.monitor.metrics.heldout_metrics` calls
+(`model(input_ids=,
 labels=, doc_ids=)` returning `.loss`, the mean nats over the labels that are not -100), so the minimal GPT's held-out
 bits per byte come from that same function on the same batches: nats summed over every target byte / bytes / ln 2.
 Rows longer than the context are scored with a sliding window: every target exactly once, each with at least half a

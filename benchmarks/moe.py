@@ -9,7 +9,7 @@ On CPU a step's time is the process's CPU time (`time.process_time`), so that ot
 count; with OMP_NUM_THREADS=1 it equals the step's single-thread time. On CUDA it is the device time.
 
 Contenders (all with the same shared experts, and the same loss `(y * g).sum()` on a fixed random `g`):
-  ours[path]  cipher_nb.moe.MoE; `auto` is the path the config's default picks on this device
+  ours[path]  cipher_nb.model.moe.MoE; `auto` is the path the config's default picks on this device
   hf-loop     the eager pattern of transformers' Mixtral block: one nn.Module per expert, a Python loop over the
               experts that received tokens, `index_add_` of each expert's gated output
   dense       a SwiGLU of width (top_k + n_shared) * expert_d_ff: the same matmul FLOPs per token, no routing
@@ -32,9 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.script import call_parse
 
-import cipher_nb.moe as moe_mod
-from cipher_nb.config import ModelConfig
-from cipher_nb.moe import MOE_IMPLS, MoE, SwiGLU, resolve_moe_impl
+import cipher_nb.model.moe as moe_mod
+from cipher_nb.config.load import ModelConfig
+from cipher_nb.model.moe import MOE_IMPLS, MoE, SwiGLU, resolve_moe_impl
 
 # name: (batch, seq, d_model, n_routed, top_k, expert_d_ff, n_shared)
 SHAPES = {

@@ -18,7 +18,8 @@ Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `-
   moe+bp     the MoE with the byte-level boundary predictor (model.boundary.enabled=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
   dense+muon, moe+muon  dense / moe trained with optim.name=muon (Muon for the hidden matrices, AdamW for the rest)
-  moe+muonx  moe+muon with the routed experts on Muon too, one matrix per expert (cipher_nb.optim.MUON_EXPERTS)
+  moe+muonx  moe+muon with the routed experts on Muon too, one matrix per expert
+             (cipher_nb.optim.optimizers.MUON_EXPERTS)
   recurrent+act, +lti, +lora, +engram  the recurrent contender with one piece of the recurrent byte model on: ACT
              halting, the stable LTI injection, per-loop LoRA (rank 4), Engram memory read by every core layer;
              pieces combine (recurrent+act+engram)
@@ -36,7 +37,8 @@ share its core would otherwise get fewer steps and a worse score. Every run also
 really used, as a cross-check. With `--plan budget` the cipher_nb contenders instead get `schedule.time_budget` and
 their trainer plans the steps from the cost it measures as it runs (on `--clock`), the way `cipher-train --time-budget`
 does; the minimal GPT keeps its calibrated steps, and each run's line says how close its training time landed.
-Held-out bits per byte come only from `cipher_nb.metrics.heldout_metrics` on the base config's held-out split (nats
+Held-out bits per byte come only from `cipher_nb.monitor.metrics.heldout_metrics` on the base config's held-out split
+(nats
 over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps, each contender at the length
 it trained at: its held-out rows are as long as its training rows (training.seq_len; the minimal GPT's context, 64),
 and it gets as many rows as make the bytes of `--eval-batches` base batches, so a model is never asked to use more
@@ -79,7 +81,7 @@ REFS = (BASELINE, "dense")  # the per-seed differences the table reports
 
 def parse_budget(text) -> float:
     "Seconds in `text`: a number of seconds or a duration such as '90s', '8m', '2h'."
-    from cipher_nb.config import ConfigError, parse_duration
+    from cipher_nb.config.load import ConfigError, parse_duration
 
     try:
         return parse_duration(str(text).strip().lower())
@@ -134,31 +136,31 @@ def budgeted(a, name: str) -> bool:
 
 def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     "A trainer for contender `name` (no checkpoints, record, monitor or callbacks: the step alone) and its overrides."
-    from cipher_nb.config import load_config
+    from cipher_nb.config.load import load_config
 
     if name == BASELINE:
         from minimal_gpt import MinimalTrainer
 
-        from cipher_nb.curriculum import build_loader
+        from cipher_nb.data.curriculum import build_loader
 
         over = [*a.overrides, f"training.seed={seed}"]
         cfg = load_config(a.config, over)  # the base config: its training documents, in this seed's order
         tr = MinimalTrainer(build_loader(cfg, "train", 0, 1), steps, seed)
         tr.cfg = cfg
         return tr, over
-    from cipher_nb.train import build_trainer
+    from cipher_nb.train.builder import build_trainer
 
     over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f"training.seed={seed}"]
     if budgeted(a, name):  # the trainer plans the steps that fit the budget, on this script's clock
-        from cipher_nb.train import BUDGET_MAX_STEPS
+        from cipher_nb.train.builder import BUDGET_MAX_STEPS
 
         plan = [f"schedule.time_budget={a.budget:g}s", f"schedule.max_steps={BUDGET_MAX_STEPS}"]
     else:
         plan = [f"schedule.max_steps={steps}"]
     cfg = load_config(a.config, [*over, *plan])
-    import cipher_nb.optim
+    import cipher_nb.optim.optimizers
 
-    cipher_nb.optim.MUON_EXPERTS = name == "moe+muonx"  # read when the trainer builds its optimizer
+    cipher_nb.optim.optimizers.MUON_EXPERTS = name == "moe+muonx"  # read when the trainer builds its optimizer
     tr = build_trainer(cfg, run_dir, progress=False)
     tr.schedule.clock = time.process_time if a.clock == "cpu" else time.perf_counter
     tr.checkpoints = tr.record = tr.monitor = None
@@ -189,7 +191,7 @@ def peak_rss_gb() -> float:
         with open("/proc/self/status") as f:
             return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) * 1024 / 1e9
     except (OSError, StopIteration):
-        from cipher_nb.metrics import mem_gb
+        from cipher_nb.monitor.metrics import mem_gb
 
         return mem_gb("cpu")
 
@@ -222,11 +224,11 @@ def run_one(a) -> dict:
     torch.set_num_threads(a.threads)
     from minimal_gpt import HeldoutView, n_params
 
-    from cipher_nb.codecs import build_codec
-    from cipher_nb.config import load_config
-    from cipher_nb.curriculum import build_loader
-    from cipher_nb.metrics import heldout_metrics
-    from cipher_nb.sizing import param_counts
+    from cipher_nb.config.load import load_config
+    from cipher_nb.config.sizing import param_counts
+    from cipher_nb.data.codecs import build_codec
+    from cipher_nb.data.curriculum import build_loader
+    from cipher_nb.monitor.metrics import heldout_metrics
 
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
@@ -478,7 +480,7 @@ def main():
     print(ctext + "\n", flush=True)
     if a.calibrate_only:
         return
-    from cipher_nb.config import load_config
+    from cipher_nb.config.load import load_config
 
     warmup = load_config(a.config, a.overrides).schedule.warmup_steps
     short = [n for n in names if not budgeted(a, n) and n != BASELINE and int(a.budget / costs[n]) <= warmup]

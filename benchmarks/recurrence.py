@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cipher_nb.config import model_config
-from cipher_nb.model import CipherModel
+from cipher_nb.config.load import model_config
+from cipher_nb.model.lm import CipherModel
 
 VARIANTS = {
     "plain (linear)": {},

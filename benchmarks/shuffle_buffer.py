@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import cipher_nb.loader as L
-from cipher_nb.config import Config
+import cipher_nb.data.loader as L
+from cipher_nb.config.load import Config
 
 
 def main():

@@ -51,7 +51,7 @@ def moe_sizes(cfg) -> tuple:
 
 def block_times(cfgs: dict, rounds: int, reps: int) -> dict:
     "Median CPU seconds of forward + backward of one MoE block per contender and step shape."
-    from cipher_nb.moe import MoE
+    from cipher_nb.model.moe import MoE
 
     out = {}
     for shape, (B, T) in STEPS.items():
@@ -148,7 +148,7 @@ def quality_runs(a, costs: dict) -> list:
 
 
 def report(a, cfgs, times, costs=None, runs=None) -> str:
-    from cipher_nb.sizing import flops_per_token, param_counts
+    from cipher_nb.config.sizing import flops_per_token, param_counts
 
     lines = ["| contender | experts' params | vs routed | experts' active params | vs routed | model params "
              "| model FLOPs/token | vs routed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -202,7 +202,7 @@ def main():
     p.add_argument("--block-only", action="store_true", help="sizes and block step times only")
     a = p.parse_args()
     torch.set_num_threads(1)
-    from cipher_nb.config import load_config
+    from cipher_nb.config.load import load_config
 
     cfgs = {n: load_config(a.config, [*a.overrides, *o]) for n, o in CONTENDERS.items()}
     times = block_times(cfgs, a.rounds, a.block_reps)

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from cipher_nb.config import load_config
-from cipher_nb.model import CipherModel
-from cipher_nb.parallel import AC_MODES, apply_ac
-from cipher_nb.train import build_trainer
+from cipher_nb.config.load import load_config
+from cipher_nb.model.lm import CipherModel
+from cipher_nb.optim.parallel import AC_MODES, apply_ac
+from cipher_nb.train.builder import build_trainer
 
 QUIET = ["schedule.max_steps=100000", "training.eval_every=100000", "training.checkpoint_every=100000"]
 
@@ -64,8 +64,8 @@ def bare_trainer(cfg, run_dir):
 
 VERSION_CHILD = """
 import json, resource, sys, tempfile, time, warnings
-from cipher_nb.config import load_config
-from cipher_nb.train import build_trainer
+from cipher_nb.config.load import load_config
+from cipher_nb.train.builder import build_trainer
 warnings.simplefilter("ignore")
 steps = int(sys.argv[1])
 cfg = load_config(None, sys.argv[2:])

@@ -14,7 +14,7 @@ resume_source() {
 # the preset's own data into $2/tokenizers (every node of a job can run this: the file is written whole, then renamed).
 tokenizer_setting() {
   local config="$1" dir="$2"; shift 2
-  "$PY" -c 'import sys; from cipher_nb.config import load_config; c = load_config(sys.argv[1], sys.argv[2:])
+  "$PY" -c 'import sys; from cipher_nb.config.load import load_config; c = load_config(sys.argv[1], sys.argv[2:])
 sys.exit(0 if c.data.codec == "tokenizer" and not c.data.tokenizer else 1)' "$config" "$@" || return 0
   local tok="$dir/tokenizers/$(basename "$config" .yaml).json"
   [ -f "$tok" ] || run cipher-tokenizer "$config" "$@" --out "$tok" >&2

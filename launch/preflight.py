@@ -37,7 +37,7 @@ def check(name, fn):
 def check_gpu(cfg, want: int):
     import torch
 
-    from cipher_nb.precision import detect_precision
+    from cipher_nb.optim.precision import detect_precision
 
     if not torch.cuda.is_available():
         return False, (
@@ -62,7 +62,7 @@ def check_gpu(cfg, want: int):
 
 def checkpoint_gb(cfg) -> float:
     "Size of one training checkpoint: fp32 weights and AdamW's two moments (8-bit AdamW: two bytes of moments)."
-    from cipher_nb.sizing import param_counts
+    from cipher_nb.config.sizing import param_counts
 
     n = param_counts(cfg.model)["total"]
     return n * (4 + (2 if cfg.optim.name == "adamw8bit" else 8)) / GB
@@ -129,8 +129,8 @@ def check_persistent(cfg, out: Path, allow_local: bool):
 def check_init(cfg):
     if not cfg.stage.init:
         return None, "no --init (training from scratch)"
-    from cipher_nb.data import data_fingerprint  # refinement must read exactly its source's data
-    from cipher_nb.stages import check_init_source
+    from cipher_nb.data.sources import data_fingerprint  # refinement must read exactly its source's data
+    from cipher_nb.persist.stages import check_init_source
 
     meta = check_init_source(cfg.stage.init, cfg, data_fingerprint(cfg))
     return True, f"{cfg.stage.init}: stage {meta.get('stage')} step {meta.get('step')} -> {cfg.stage.name}"
@@ -138,7 +138,7 @@ def check_init(cfg):
 
 def check_data(cfg, timeout: float):
     "One training batch through this stage's real loader, within `timeout` seconds."
-    from cipher_nb.train import stage_hooks
+    from cipher_nb.train.builder import stage_hooks
 
     res = {}
 
@@ -183,7 +183,7 @@ def main(argv=None):
     if a.config and "=" in a.config and not a.config.endswith((".yaml", ".yml")):
         a.config, a.overrides = None, [a.config, *a.overrides]
 
-    from cipher_nb.config import load_config
+    from cipher_nb.config.load import load_config
 
     results = [check("config", lambda: (True, f"{a.config or 'defaults'} with {len(a.overrides)} override(s)"))]
     try:

@@ -11,7 +11,7 @@ A machine that replaced a preempted one has an empty local disk: the mirror is w
 import sys
 import warnings
 
-from cipher_nb.checkpoint import checkpoint_step, latest_checkpoint
+from cipher_nb.persist.files import checkpoint_step, latest_checkpoint
 
 
 def newest(dirs) -> str:

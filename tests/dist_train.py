@@ -9,8 +9,8 @@ from pathlib import Path
 import torch.distributed as dist
 from conftest import SMALL_MODEL  # this script runs from tests/
 
-from cipher_nb.config import load_config
-from cipher_nb.train import build_trainer
+from cipher_nb.config.load import load_config
+from cipher_nb.train.builder import build_trainer
 
 out, parallel = Path(sys.argv[1]), sys.argv[2]
 cfg = load_config(

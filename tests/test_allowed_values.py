@@ -4,7 +4,14 @@ from typing import get_args
 
 import pytest
 
-from cipher_nb import boundary, config, data, model, moe, optim, precision, stages
+import cipher_nb.config.load as config
+import cipher_nb.data.sources as data
+import cipher_nb.model.boundary as boundary
+import cipher_nb.model.lm as model
+import cipher_nb.model.moe as moe
+import cipher_nb.optim.optimizers as optim
+import cipher_nb.optim.precision as precision
+import cipher_nb.persist.stages as stages
 
 
 def names(literal) -> tuple:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from cipher_nb.attention import (
+from cipher_nb.config.load import AttnKernel, model_config
+from cipher_nb.model.attention import (
     ATTN_KERNELS,
     AttnMask,
     attend,
@@ -21,8 +22,7 @@ from cipher_nb.attention import (
     varlen_offsets,
     varlen_window_size,
 )
-from cipher_nb.config import AttnKernel, model_config
-from cipher_nb.model import CipherModel
+from cipher_nb.model.lm import CipherModel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU

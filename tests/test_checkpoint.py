@@ -15,7 +15,17 @@ import torch
 from conftest import ROOT
 from torch import nn
 
-from cipher_nb.checkpoint import (
+from cipher_nb.config.load import load_config
+from cipher_nb.faults import SAVE_POINTS, arm_save_fault, disarm_save_fault
+from cipher_nb.persist.checkpointer import (
+    Checkpointer,
+    checkpoint_meta,
+    load_weights,
+    restore_training_state,
+    training_state,
+)
+from cipher_nb.persist.export import compare_state_dicts, export_model
+from cipher_nb.persist.files import (
     EXPORT_WEIGHTS,
     MARKER,
     STATE,
@@ -36,15 +46,11 @@ from cipher_nb.checkpoint import (
     verify_checkpoint,
     write_marker,
 )
-from cipher_nb.checkpointer import Checkpointer, checkpoint_meta, load_weights, restore_training_state, training_state
-from cipher_nb.config import load_config
-from cipher_nb.export import compare_state_dicts, export_model
-from cipher_nb.faults import SAVE_POINTS, arm_save_fault, disarm_save_fault
-from cipher_nb.stages import check_init_source, check_resume
+from cipher_nb.persist.stages import check_init_source, check_resume
 
 SAVE_TWO = """
 import sys, torch
-from cipher_nb.checkpointer import Checkpointer
+from cipher_nb.persist.checkpointer import Checkpointer
 from cipher_nb.faults import arm_save_fault
 ck = Checkpointer(sys.argv[1], keep_last=3, background=sys.argv[3] == 'bg')
 ck.save(1, dict(w=torch.full((1000,), 1.0), step=1), dict(step=1)); ck.wait()
@@ -168,7 +174,7 @@ def test_an_old_marker_loads_with_one_note(tmp_path):
 def test_a_resume_reads_each_file_once(tmp_path, monkeypatch):
     import hashlib
 
-    import cipher_nb.checksum as cs
+    import cipher_nb.persist.checksum as cs
 
     p, _ = _pretrain_ckpt(tmp_path, "fp")
     monkeypatch.setattr(cs, "SETTLED_S", -1.0)  # as if the files were written long ago
@@ -224,8 +230,8 @@ def test_copy_of_a_changed_checkpoint_is_refused_and_writes_no_mirror(tmp_path):
 def test_a_full_disk_while_mirroring_or_exporting_keeps_the_previous_one(tmp_path, monkeypatch):
     import errno
 
-    import cipher_nb.checkpoint as ckpt
-    import cipher_nb.export as ex
+    import cipher_nb.persist.export as ex
+    import cipher_nb.persist.files as ckpt
 
     root = _three(tmp_path)
     copy_checkpoint(root / "checkpoints" / "step_0000002", tmp_path / "vol" / "step_0000002")
@@ -378,8 +384,8 @@ def test_export_round_trip_with_tied_weights(tmp_path):
 
 
 def test_a_changed_export_is_refused_by_load(tmp_path):
-    from cipher_nb.export import load
-    from cipher_nb.model import CipherModel
+    from cipher_nb.model.lm import CipherModel
+    from cipher_nb.persist.export import load
 
     cfg = load_config(
         None, ["model.d_model=32", "model.n_layers=1", "model.moe.n_routed=2", "model.moe.expert_d_ff=16"]
@@ -392,7 +398,7 @@ def test_a_changed_export_is_refused_by_load(tmp_path):
 
 
 def test_export_round_trip_failure_is_reported(tmp_path, monkeypatch):
-    import cipher_nb.export as ex
+    import cipher_nb.persist.export as ex
 
     real = ex.load_exported
 

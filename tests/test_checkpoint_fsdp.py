@@ -10,11 +10,11 @@ WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
-    from cipher_nb.checkpoint import latest_checkpoint, read_meta
-    from cipher_nb.checkpointer import (Checkpointer, checkpoint_meta, training_state, restore_training_state,
+    from cipher_nb.persist.files import latest_checkpoint, read_meta
+    from cipher_nb.persist.checkpointer import (Checkpointer, checkpoint_meta, training_state, restore_training_state,
                                         load_weights, is_sharded)
-    from cipher_nb.export import export_model
-    from cipher_nb.config import load_config
+    from cipher_nb.persist.export import export_model
+    from cipher_nb.config.load import load_config
 
     dist.init_process_group('gloo')
     rank, world = dist.get_rank(), dist.get_world_size()

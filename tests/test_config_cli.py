@@ -69,7 +69,7 @@ def test_unknown_key_suggests_the_closest():
 
 
 def test_every_preset_loads():
-    from cipher_nb.config import load_config
+    from cipher_nb.config.load import load_config
 
     for p in sorted((ROOT / "examples/configs").glob("*.yaml")):
         load_config(p)
@@ -77,7 +77,7 @@ def test_every_preset_loads():
 
 def test_presets_are_nested():
     "The presets use the nested model sections, not the old flat keys (which still load, for old files)."
-    from cipher_nb.config import LEGACY_KEYS, upgrade_keys
+    from cipher_nb.config.load import LEGACY_KEYS, upgrade_keys
 
     for p in sorted((ROOT / "examples/configs").glob("*.yaml")):
         d = yaml.safe_load(p.read_text()) or {}
@@ -87,7 +87,7 @@ def test_presets_are_nested():
 
 
 def test_old_flat_preset_loads_as_its_nested_form(tmp_path):
-    from cipher_nb.config import load_config
+    from cipher_nb.config.load import load_config
 
     flat = tmp_path / "flat.yaml"
     flat.write_text(
@@ -104,7 +104,7 @@ def test_old_flat_preset_loads_as_its_nested_form(tmp_path):
 
 def test_tiny_cpu_is_the_default():
     "cipher-train with no arguments trains tiny-cpu: the preset and the config defaults must stay the same experiment."
-    from cipher_nb.config import Config, config_hash, critical_diff, load_config
+    from cipher_nb.config.load import Config, config_hash, critical_diff, load_config
 
     tiny = load_config(ROOT / "examples/configs/tiny-cpu.yaml")
     assert critical_diff(tiny, Config()) == [] and config_hash(tiny) == config_hash(Config())
@@ -114,7 +114,7 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     "The 90-second preset: the default but for the step shape, the budget, the eval size, Muon, 8 experts and Engram."
     from dataclasses import asdict
 
-    from cipher_nb.config import Config, load_config, parse_duration
+    from cipher_nb.config.load import Config, load_config, parse_duration
 
     p, d = load_config(ROOT / "examples/configs/tiny-cpu-90s.yaml"), Config()
     assert (p.training.batch_size, p.training.seq_len) == (12, 64)
@@ -152,7 +152,7 @@ def test_a_key_given_twice_is_one_line_with_exit_code_2(tmp_path):
 
 def test_an_unreadable_preset_is_one_line(tmp_path, monkeypatch):
     "chmod 000 stops a read except as root, where the read is made to fail instead."
-    from cipher_nb.config import ConfigError, load_config
+    from cipher_nb.config.load import ConfigError, load_config
 
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
@@ -177,7 +177,7 @@ def test_an_unreadable_preset_is_one_line(tmp_path, monkeypatch):
 )
 def test_cipher_train_takes_options_and_overrides_in_any_order(argv):
     from cipher_nb.cli import parse_command
-    from cipher_nb.train import cipher_train
+    from cipher_nb.train.cli import cipher_train
 
     args, kwargs = parse_command(cipher_train.__wrapped__, argv.split(), ["config"])
     assert args == ["examples/configs/tiny-cpu-90s.yaml", "data.path=x"]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import cipher_nb.codecs as C
-import cipher_nb.data as D
-import cipher_nb.loader as L
-from cipher_nb.config import Config, ConfigError
+import cipher_nb.data.codecs as C
+import cipher_nb.data.loader as L
+import cipher_nb.data.sources as D
+from cipher_nb.config.load import Config, ConfigError
 
 
 def small_cfg(**data):

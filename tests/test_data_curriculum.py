@@ -2,9 +2,9 @@
 
 import torch
 
-import cipher_nb.codecs as C
-from cipher_nb.config import Config
-from cipher_nb.curriculum import Curriculum, build_loader
+import cipher_nb.data.codecs as C
+from cipher_nb.config.load import Config
+from cipher_nb.data.curriculum import Curriculum, build_loader
 
 
 def cfg(workers, grad_accum):

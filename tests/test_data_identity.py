@@ -6,13 +6,13 @@ import warnings
 
 import pytest
 
-import cipher_nb.data as D
-from cipher_nb.checkpoint import META, StageError, write_durable, write_marker
-from cipher_nb.checkpointer import checkpoint_meta
-from cipher_nb.config import Config, load_config
-from cipher_nb.curriculum import build_loader
-from cipher_nb.loader import documents_in
-from cipher_nb.stages import check_init_source
+import cipher_nb.data.sources as D
+from cipher_nb.config.load import Config, load_config
+from cipher_nb.data.curriculum import build_loader
+from cipher_nb.data.loader import documents_in
+from cipher_nb.persist.checkpointer import checkpoint_meta
+from cipher_nb.persist.files import META, StageError, write_durable, write_marker
+from cipher_nb.persist.stages import check_init_source
 
 HUB = ["data.source=hub", "data.path=HuggingFaceFW/fineweb-edu", "data.revision=main"]
 

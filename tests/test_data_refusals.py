@@ -7,9 +7,9 @@ import json
 import pytest
 from conftest import deadline
 
-import cipher_nb.data as D
-import cipher_nb.loader as L
-from cipher_nb.config import Config
+import cipher_nb.data.loader as L
+import cipher_nb.data.sources as D
+from cipher_nb.config.load import Config
 
 
 def files_cfg(path, **data):

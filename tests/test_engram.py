@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from cipher_nb.config import load_config
-from cipher_nb.model import CipherModel
-from cipher_nb.optim import build_muon, muon_names, param_groups, set_lr
-from cipher_nb.train import build_trainer
+from cipher_nb.config.load import load_config
+from cipher_nb.model.lm import CipherModel
+from cipher_nb.optim.optimizers import build_muon, muon_names, param_groups, set_lr
+from cipher_nb.train.builder import build_trainer
 
 ENGRAM = [
     "model.d_model=32",
@@ -48,7 +48,7 @@ def memory_group(groups) -> dict:
     return found[0]
 
 
-@pytest.mark.filterwarnings("ignore::cipher_nb.monitor.HealthWarning")  # a 14-step run trips the early checks
+@pytest.mark.filterwarnings("ignore::cipher_nb.monitor.health.HealthWarning")  # a 14-step run trips the early checks
 @pytest.mark.parametrize("name,extra", [("token", []), ("bytes", ["model.boundary.enabled=true"])])
 def test_engram_trains_and_logs_its_gate(tmp_path, name, extra):
     "A few steps lower the loss; every metrics row has engram/gate, engram/norm and each layer's gate, in (0, 1)."

@@ -7,11 +7,11 @@ generation against one prompt at a time; determinism."""
 import pytest
 import torch
 
-from cipher_nb.attention import CacheMiss
-from cipher_nb.codecs import ByteCodec
-from cipher_nb.config import model_config
-from cipher_nb.evaluate import can_cache, generate, generate_batch, prompt_ids, sample_batch, sample_ids
-from cipher_nb.model import CipherModel
+from cipher_nb.config.load import model_config
+from cipher_nb.data.codecs import ByteCodec
+from cipher_nb.eval.harness import can_cache, generate, generate_batch, prompt_ids, sample_batch, sample_ids
+from cipher_nb.model.attention import CacheMiss
+from cipher_nb.model.lm import CipherModel
 
 TOL = 1e-9
 BASE = dict(
@@ -149,7 +149,7 @@ def test_latent_attention_equals_transformers_deepseek_v3(q_lora_rank):
     from transformers.models.deepseek_v3 import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
-    from cipher_nb.attention import LatentAttention, rope_frequencies, rope_tables
+    from cipher_nb.model.attention import LatentAttention, rope_frequencies, rope_tables
 
     cfg = model_config(
         d_model=48,

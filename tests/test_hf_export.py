@@ -10,13 +10,13 @@ from fastcore.script import CliError
 
 transformers = pytest.importorskip("transformers")
 
-from cipher_nb.codecs import ByteCodec, TokenizerCodec, train_bpe  # noqa: E402
-from cipher_nb.config import load_config  # noqa: E402
-from cipher_nb.evaluate import load_model  # noqa: E402
-from cipher_nb.export import export_model, load  # noqa: E402
-from cipher_nb.hf_export import UnmappableConfig, check_hf_export, cipher_export, hf_architecture  # noqa: E402
-from cipher_nb.model import CipherModel  # noqa: E402
-from cipher_nb.moe import update_moe_biases  # noqa: E402
+from cipher_nb.config.load import load_config  # noqa: E402
+from cipher_nb.data.codecs import ByteCodec, TokenizerCodec, train_bpe  # noqa: E402
+from cipher_nb.eval.harness import load_model  # noqa: E402
+from cipher_nb.model.lm import CipherModel  # noqa: E402
+from cipher_nb.model.moe import update_moe_biases  # noqa: E402
+from cipher_nb.persist.export import export_model, load  # noqa: E402
+from cipher_nb.persist.hf import UnmappableConfig, check_hf_export, cipher_export, hf_architecture  # noqa: E402
 
 SMALL = [
     "model.d_model=32",
@@ -221,7 +221,7 @@ def test_the_check_fails_on_a_checkpoint_that_differs(tmp_path):
     ],
 )
 def test_a_bf16_model_exports_and_is_left_as_it_was(tmp_path, overrides, arch):
-    from cipher_nb.hf_export import export_hf
+    from cipher_nb.persist.hf import export_hf
 
     cfg = load_config(None, [*SMALL, *overrides])
     torch.manual_seed(4)
@@ -231,7 +231,7 @@ def test_a_bf16_model_exports_and_is_left_as_it_was(tmp_path, overrides, arch):
 
 
 def test_an_sft_export_carries_a_chat_template_that_renders_the_trained_ids(tmp_path):
-    from cipher_nb.sft import render_conversation
+    from cipher_nb.train.sft import render_conversation
 
     cfg = load_config(None, [*SMALL, "stage.name=sft"])
     model, codec = CipherModel(cfg.model).eval(), ByteCodec()

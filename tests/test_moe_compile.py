@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from cipher_nb.config import ModelConfig
-from cipher_nb.model import Block, rope_frequencies, rope_tables
-from cipher_nb.moe import MoE, moe_kernels_used
+from cipher_nb.config.load import ModelConfig
+from cipher_nb.model.lm import Block, rope_frequencies, rope_tables
+from cipher_nb.model.moe import MoE, moe_kernels_used
 
 CFG = ModelConfig()  # the tiny-cpu preset
 B, T = 2, 32  # a short batch keeps the compile cheap; the shapes are those of the preset's layers

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from cipher_nb.config import ModelConfig
-from cipher_nb.moe import MOE_IMPLS, MoE, resolve_moe_impl
+from cipher_nb.config.load import ModelConfig
+from cipher_nb.model.moe import MOE_IMPLS, MoE, resolve_moe_impl
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from cipher_nb.config import ModelConfig
-from cipher_nb.moe import MoE, update_moe_biases
+from cipher_nb.config.load import ModelConfig
+from cipher_nb.model.moe import MoE, update_moe_biases
 
 CFG = ModelConfig(d_model=16, moe=dict(n_routed=6, n_shared=0, top_k=2, expert_d_ff=8, bias_gamma=0.1))
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cipher_nb.config import config_from_dict
-from cipher_nb.gate import gate, gate_passed
-from cipher_nb.monitor import HealthWarning, HostSyncCounter, MonitorCallback
+from cipher_nb.config.load import config_from_dict
+from cipher_nb.monitor.gate import gate, gate_passed
+from cipher_nb.monitor.health import HealthWarning, HostSyncCounter, MonitorCallback
 
 N_STEPS, LOG_EVERY, EVAL_EVERY = 200, 10, 50
 

@@ -46,14 +46,14 @@ def test_figures_and_dashboard_show_as_png(tmp_path):
     train = [sys.executable, "-m", "cipher_nb.train", *SMALL, "--out", str(run), "--max-steps", "4", "--quiet"]
     nb = notebook(
         f"import subprocess\nsubprocess.run({train!r}, check=True, capture_output=True)",
-        f"from cipher_nb.viz import run_figures\nrun_figures({str(run)!r})['training']",
-        f"from cipher_nb.viz import run_figures\nrun_figures({str(run)!r})['routing']",
+        f"from cipher_nb.viz.plots import run_figures\nrun_figures({str(run)!r})['training']",
+        f"from cipher_nb.viz.plots import run_figures\nrun_figures({str(run)!r})['routing']",
         # the live dashboard in a kernel: a widget while it trains, a static PNG of the final frame after
         "import warnings\n"
-        "from cipher_nb.config import load_config\n"
-        "from cipher_nb.monitor import HealthWarning\n"
-        "from cipher_nb.train import build_trainer\n"
-        "from cipher_nb.dashboard import LiveDashboard\n"
+        "from cipher_nb.config.load import load_config\n"
+        "from cipher_nb.monitor.health import HealthWarning\n"
+        "from cipher_nb.train.builder import build_trainer\n"
+        "from cipher_nb.viz.dashboard import LiveDashboard\n"
         "dash = LiveDashboard()\n"
         "warnings.simplefilter('ignore', HealthWarning)\n"
         f"cfg = load_config(None, {SMALL + ['schedule.max_steps=4', 'schedule.warmup_steps=1']!r})\n"
@@ -78,9 +78,9 @@ def test_interrupt_stops_the_queued_cells(tmp_path):
     overrides = SMALL + ["schedule.max_steps=20000", "training.checkpoint_every=100000", "training.eval_every=100000"]
     nb = notebook(
         "import warnings\n"
-        "from cipher_nb.config import load_config\n"
-        "from cipher_nb.monitor import HealthWarning\n"
-        "from cipher_nb.train import build_trainer\n"
+        "from cipher_nb.config.load import load_config\n"
+        "from cipher_nb.monitor.health import HealthWarning\n"
+        "from cipher_nb.train.builder import build_trainer\n"
         "warnings.simplefilter('ignore', HealthWarning)\n"
         f"build_trainer(load_config(None, {overrides!r}), {str(run)!r}, progress=False).fit(progress=False)",
         f"open({str(marker)!r}, 'w').write('ran')",

@@ -18,8 +18,8 @@ def losses(run_dir) -> dict:
 
 @pytest.mark.parametrize("name", sorted(REF))
 def test_an_old_export_loads_with_the_same_names_and_loss(name):
-    from cipher_nb.export import load
-    from cipher_nb.model import renamed
+    from cipher_nb.model.lm import renamed
+    from cipher_nb.persist.export import load
 
     model, _ = load(OLD / name / "final")
     assert sorted(model.state_dict()) == sorted(map(renamed, REF[name]["names"]))  # the key map, over every old name
@@ -49,9 +49,9 @@ def test_old_names_load_through_the_distributed_api():
     "DCP's `set_model_state_dict` (an FSDP2 run's `--init`) matches names before the model's load hook: renamed first."
     from safetensors.torch import load_file
 
-    from cipher_nb.checkpointer import _set_model
-    from cipher_nb.config import config_from_dict
-    from cipher_nb.model import CipherModel
+    from cipher_nb.config.load import config_from_dict
+    from cipher_nb.model.lm import CipherModel
+    from cipher_nb.persist.checkpointer import _set_model
 
     final = OLD / "flexi" / "final"
     old = load_file(final / "model.safetensors")

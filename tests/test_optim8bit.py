@@ -68,10 +68,10 @@ WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
-    from cipher_nb.checkpoint import is_complete, load_checkpoint, is_subclass_state
-    from cipher_nb.checkpointer import Checkpointer, training_state, restore_training_state
-    from cipher_nb.config import Config
-    from cipher_nb.optim import build_optimizer, optimizer_kind
+    from cipher_nb.persist.files import is_complete, load_checkpoint, is_subclass_state
+    from cipher_nb.persist.checkpointer import Checkpointer, training_state, restore_training_state
+    from cipher_nb.config.load import Config
+    from cipher_nb.optim.optimizers import build_optimizer, optimizer_kind
 
     dist.init_process_group('gloo')
     rank, run = dist.get_rank(), sys.argv[1]

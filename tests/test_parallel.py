@@ -1,4 +1,4 @@
-"""cipher_nb.parallel in a training run: activation checkpointing keeps gradients and parameter names, compiled
+"""cipher_nb.optim.parallel in a training run: activation checkpointing keeps gradients and parameter names, compiled
 blocks train like eager ones without recompiling, FSDP2 trains in bf16 with fp32 gradient reductions and resumes
 bit for bit under torchrun."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import ROOT, run_cli
 
-from cipher_nb.config import load_config
-from cipher_nb.model import CipherModel
-from cipher_nb.parallel import AC_MODES, apply_ac, apply_compile, compile_count, model_blocks
-from cipher_nb.train import build_trainer
+from cipher_nb.config.load import load_config
+from cipher_nb.model.lm import CipherModel
+from cipher_nb.optim.parallel import AC_MODES, apply_ac, apply_compile, compile_count, model_blocks
+from cipher_nb.train.builder import build_trainer
 
 TINY = [
     "model.d_model=32",
@@ -143,9 +143,9 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[2])  # tests/, for conftest
     from conftest import SMALL_MODEL
-    from cipher_nb.config import load_config
-    from cipher_nb.parallel import model_blocks
-    from cipher_nb.train import build_trainer
+    from cipher_nb.config.load import load_config
+    from cipher_nb.optim.parallel import model_blocks
+    from cipher_nb.train.builder import build_trainer
 
     out = Path(sys.argv[1])
     cfg = load_config(None, [*SMALL_MODEL, "data.source=mock", "training.device=cpu", "training.seq_len=64",

@@ -8,16 +8,16 @@ import torch
 import torch.nn as nn
 from conftest import run_cli
 
-from cipher_nb.config import Config, model_config
-from cipher_nb.moe import MoE
-from cipher_nb.optim import (
+from cipher_nb.config.load import Config, model_config
+from cipher_nb.model.moe import MoE
+from cipher_nb.optim.optimizers import (
     OptimizerResetWarning,
     build_optimizer,
     load_optimizer_state,
     optimizer_kind,
     optimizer_state,
 )
-from cipher_nb.precision import DeviceCaps, convert_model, detect_precision, probe_device, probe_libs
+from cipher_nb.optim.precision import DeviceCaps, convert_model, detect_precision, probe_device, probe_libs
 
 torch.set_num_threads(1)  # tiny matmuls: one thread avoids OpenMP spin-waits on a shared box
 
@@ -127,7 +127,7 @@ def test_convert_real_moe_trains_and_keeps_filtered_modules_high(mode):
 @pytest.mark.parametrize("mode", ["fp8", "mxfp8"])
 def test_cipher_model_converts(mode):
     "A byte-level CipherModel with boundary predictor and recurrent core: filter, experts, forward and backward."
-    from cipher_nb.model import CipherModel
+    from cipher_nb.model.lm import CipherModel
 
     torch.manual_seed(0)
     cfg = tiny_cfg(
@@ -213,7 +213,7 @@ def test_auto_is_bf16_on_gpus_and_never_low_precision(device, want):
 
 def test_fp8_min_dim_filters_real_model_layers():
     "A CipherModel of width 64: at min_dim 64 the square projections convert, the narrow ones stay with a reason."
-    from cipher_nb.model import CipherModel
+    from cipher_nb.model.lm import CipherModel
 
     torch.manual_seed(0)
     model = CipherModel(tiny_cfg(n_layers=2, moe_impl="grouped"))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import ROOT, run_cli
 
-from cipher_nb.config import load_config
-from cipher_nb.model import CipherModel
-from cipher_nb.sizing import param_counts
+from cipher_nb.config.load import load_config
+from cipher_nb.config.sizing import param_counts
+from cipher_nb.model.lm import CipherModel
 
 PRESETS = sorted((ROOT / "examples/configs").glob("*.yaml"))
 

@@ -76,8 +76,8 @@ def test_windows_score_every_target_once():
 
 
 def test_minimal_gpt_trains_and_is_scored_by_heldout_metrics():
-    from cipher_nb.codecs import ByteCodec
-    from cipher_nb.metrics import heldout_metrics
+    from cipher_nb.data.codecs import ByteCodec
+    from cipher_nb.monitor.metrics import heldout_metrics
 
     codec = ByteCodec()
     text = b"def f(x):\n    return x + 1\n" * 40
@@ -114,7 +114,7 @@ def test_minimal_gpt_trains_and_is_scored_by_heldout_metrics():
 
 
 def test_muon_contenders_add_the_optimizer_to_their_base():
-    from cipher_nb.config import Config
+    from cipher_nb.config.load import Config
 
     cfg = Config()
     assert quality.contender_overrides("moe+muon", cfg) == ["optim.name=muon"]
@@ -123,7 +123,7 @@ def test_muon_contenders_add_the_optimizer_to_their_base():
 
 
 def test_heldout_rows_at_the_trained_length_cover_the_same_bytes():
-    from cipher_nb.config import Config
+    from cipher_nb.config.load import Config
 
     cfg = Config()
     cfg.training.seq_len, cfg.training.eval_batches = 256, 10

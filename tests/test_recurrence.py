@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from cipher_nb.config import config_from_dict, model_config
-from cipher_nb.model import CipherModel
-from cipher_nb.optim import muon_names
-from cipher_nb.parallel import apply_ac
-from cipher_nb.recurrence import LTI_MIN_RATE, LTIInjection, act_weights, merged_injection
+from cipher_nb.config.load import config_from_dict, model_config
+from cipher_nb.model.lm import CipherModel
+from cipher_nb.model.recurrence import LTI_MIN_RATE, LTIInjection, act_weights, merged_injection
+from cipher_nb.optim.optimizers import muon_names
+from cipher_nb.optim.parallel import apply_ac
 
 
 def recurrent(n_loops=3, **rec):

@@ -56,7 +56,7 @@ class Result:
 def in_process(*args) -> Result:
     "`cipher-train ARGS` through its own command-line parser, in this process: the exit code and stderr."
     from cipher_nb.cli import parse_command
-    from cipher_nb.train import cipher_train
+    from cipher_nb.train.cli import cipher_train
 
     err = io.StringIO()
     argv, sys.argv = sys.argv, ["cipher-train", *map(str, args)]
@@ -413,7 +413,7 @@ def _forced(tmp):
 
 
 def _export_kept(tmp):
-    from cipher_nb.export import load
+    from cipher_nb.persist.export import load
 
     load(tmp / "run/final")  # still loads: nothing replaced it
     assert not (tmp / "run/checkpoints/hf").exists()
@@ -594,7 +594,7 @@ def _intact_after_disk_full(*ckpts):
     def check(tmp):
         run = tmp / "run"
         assert not leftovers(run), leftovers(run)
-        from cipher_nb.checkpoint import latest_checkpoint
+        from cipher_nb.persist.files import latest_checkpoint
 
         assert latest_checkpoint(run).name == ckpts[-1]
 

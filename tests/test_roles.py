@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import ROOT
 
-from cipher_nb.config import ROLE_ALIASES, ROLES, load_config
-from cipher_nb.lora import inject_lora
-from cipher_nb.model import CipherModel
-from cipher_nb.optim import muon_names, param_groups
-from cipher_nb.roles import clip_groups, param_roles, params_with_role
+from cipher_nb.config.load import ROLE_ALIASES, ROLES, load_config
+from cipher_nb.model.lm import CipherModel
+from cipher_nb.model.roles import clip_groups, param_roles, params_with_role
+from cipher_nb.optim.optimizers import muon_names, param_groups
+from cipher_nb.train.lora import inject_lora
 
 PRESETS = sorted((ROOT / "examples/configs").glob("*.yaml"))
 EXTRA = [  # what no preset switches on: an untied head with MLA, the linear injection, old-style keys, SFT's LoRA

@@ -179,8 +179,8 @@ ASYNC_WORKER = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
-    from cipher_nb.checkpoint import load_checkpoint, list_checkpoints, is_complete
-    from cipher_nb.checkpointer import Checkpointer, training_state
+    from cipher_nb.persist.files import load_checkpoint, list_checkpoints, is_complete
+    from cipher_nb.persist.checkpointer import Checkpointer, training_state
 
     dist.init_process_group('gloo')
     rank, run = dist.get_rank(), sys.argv[1]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import SMALL_MODEL
 
-import cipher_nb.loader as L
-from cipher_nb.config import Config, load_config
-from cipher_nb.data import HFStream, ListStream, SourceSpec, open_stream
+import cipher_nb.data.loader as L
+from cipher_nb.config.load import Config, load_config
+from cipher_nb.data.sources import HFStream, ListStream, SourceSpec, open_stream
 
 ROWS = 600
 
@@ -150,7 +150,7 @@ def test_the_loader_state_carries_the_buffer_through_torch_save(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:expert collapse")
 def test_a_trainer_resumed_on_a_shuffled_jsonl_source_ends_bit_identical(tmp_path):
-    from cipher_nb.train import build_trainer
+    from cipher_nb.train.builder import build_trainer
 
     spec = write_source(tmp_path, "jsonl")
     over = [*SMALL_MODEL, "data.source=files", f"data.path={spec.path}", "data.heldout_frac=0.0"]

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cipher_nb.config import ModelConfig
-from cipher_nb.model import Block, CipherModel, rope_frequencies, rope_tables
-from cipher_nb.moe import MoE, SharedProjectionExperts, moe_kernels_used
-from cipher_nb.sizing import flops_per_token, param_counts
+from cipher_nb.config.load import ModelConfig
+from cipher_nb.config.sizing import flops_per_token, param_counts
+from cipher_nb.model.lm import Block, CipherModel, rope_frequencies, rope_tables
+from cipher_nb.model.moe import MoE, SharedProjectionExperts, moe_kernels_used
 
 SP = dict(kind="shared_projection", n_routed=6, n_shared=1, top_k=2, expert_d_ff=8, shared_inter=24, expert_rank=8)
 CFG = ModelConfig(d_model=16, init_std=0.3, moe=dict(SP, router_score="softmax"))

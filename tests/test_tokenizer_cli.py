@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import ROOT, run_cli
 
-from cipher_nb.codecs import TokenizerCodec
+from cipher_nb.data.codecs import TokenizerCodec
 
 H100 = str(ROOT / "examples/configs/h100.yaml")
 DATA = ["data.source=stdlib", "model.vocab=512"]  # the tokenizer depends on these: the command carries them

@@ -11,9 +11,9 @@ from conftest import ROOT, SMALL_MODEL, run_cli
 pytest.importorskip("wandb")
 pytest.importorskip("tensorboard")
 
-from cipher_nb.config import load_config  # noqa: E402
-from cipher_nb.record import RunRecord  # noqa: E402
-from cipher_nb.tracking import finished_wandb_runs, read_tracking  # noqa: E402
+from cipher_nb.config.load import load_config  # noqa: E402
+from cipher_nb.persist.record import RunRecord  # noqa: E402
+from cipher_nb.train.tracking import finished_wandb_runs, read_tracking  # noqa: E402
 
 ARGS = [
     *SMALL_MODEL,

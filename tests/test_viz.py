@@ -86,7 +86,7 @@ def test_cipher_plot_writes_valid_pngs_with_expected_panels(run, tmp_path):
 
 def test_panels_follow_the_metrics(run):
     "The heatmap's panels are the MoE layers the run logged, each with one row per expert and one column per log row."
-    from cipher_nb.viz import expert_load_matrix, panel_titles, run_figures
+    from cipher_nb.viz.plots import expert_load_matrix, panel_titles, run_figures
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     layers = sorted(

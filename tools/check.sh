@@ -27,4 +27,4 @@ OMP_NUM_THREADS=1 nbdev-test examples --n-workers "${NBDEV_WORKERS:-2}"
 
 echo "== pytest"
 # pytest exits 5 when it collects no test: with set -e that fails this script, as it should.
-python -m pytest -q -p no:cacheprovider
+python -m pytest -q -p no:cacheprovider --durations=25
