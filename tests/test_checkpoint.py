@@ -322,7 +322,7 @@ def test_resume_with_a_changed_lr_is_refused_naming_the_key(tmp_path):
     p, cfg = _pretrain_ckpt(tmp_path, "fp")
     check_resume(read_meta(p), cfg, world_size=1)
     changed = load_config(None, ["schedule.lr=5e-4"])
-    with pytest.raises(ResumeError, match=r"training\.lr: 0\.001 in the checkpoint, 0\.0005 now"):
+    with pytest.raises(ResumeError, match=r"schedule\.lr: 0\.001 in the checkpoint, 0\.0005 now"):
         check_resume(read_meta(p), changed, world_size=1)
     with pytest.raises(ResumeError, match=r"\(world_size\)"):
         check_resume(read_meta(p), cfg, world_size=8)

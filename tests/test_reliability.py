@@ -108,7 +108,7 @@ def finish(p, seen, timeout=120) -> Result:
 
 
 def rows(run) -> list:
-    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().split("\n")[:-1] if r.strip()]
 
 
 def flip_byte(f: Path):

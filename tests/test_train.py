@@ -27,7 +27,8 @@ def cli():
 
 
 def rows(run):
-    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    "The complete rows of a run's metrics: a line the run is still writing (no newline yet) is left out."
+    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().split("\n")[:-1] if r.strip()]
 
 
 def train(out, *args, env=None, timeout=600):
