@@ -15,6 +15,7 @@ SMALL = [
     "model.d_model=64",
     "model.n_layers=2",
     "model.moe.n_routed=4",
+    "model.moe.n_pop_a=2",  # the preset's two populations, two experts each
     "model.moe.top_k=2",
     "model.moe.expert_d_ff=32",
     "training.seq_len=64",
@@ -57,3 +58,5 @@ def test_h100_preset_trains_on_cpu_after_its_tokenizer(tmp_path):
     rec = json.loads((run / "record.json").read_text())
     assert rec["codec"]["kind"] == "tokenizer" and rec["codec"]["vocab_size"] == 512, rec["codec"]
     assert rec["codec"]["tokenizer"] == str(tok)
+    row = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert row["loss/ortho"] > 0 and 0 <= row["router/cross_pop_overlap"] <= 1, row  # the runbook's populations ran
