@@ -90,11 +90,11 @@ def main():
         contenders.append((name, counts))  # the first step (start-up) is not timed
 
     add("script loop (list(text.encode()))", script_loop(texts, T, cfg.data.max_bytes))
-    pk = Packer(cfg)
+    pk = Packer(cfg.data, cfg.training)
     add("Packer (numpy batches)", (pk.next_batch()["input_ids"].size for _ in iter(int, 1)))
     add(
         "mixture_loader, in process (tensors + resume state)",
-        (b["input_ids"].numel() for b in mixture_loader(cfg, "train", 0, 1)),
+        (b["input_ids"].numel() for b in mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1)),
     )
     if a.workers:
         wcfg = load_config(
@@ -108,7 +108,7 @@ def main():
         )
         add(
             f"mixture_loader, {a.workers} DataLoader workers",
-            (b["input_ids"].numel() for b in mixture_loader(wcfg, "train", 0, 1)),
+            (b["input_ids"].numel() for b in mixture_loader(wcfg.data, wcfg.training, wcfg.model.vocab, "train", 0, 1)),
         )
     bpt = a.bytes_per_token
     if a.tokenizer:
@@ -129,7 +129,7 @@ def main():
         )
 
         def tok_bytes(c):
-            for b in mixture_loader(c, "train", 0, 1):
+            for b in mixture_loader(c.data, c.training, c.model.vocab, "train", 0, 1):
                 yield codec.count_bytes(b["input_ids"])
 
         add("mixture_loader, tokenizer codec, in process", tok_bytes(tcfg))

@@ -6,7 +6,7 @@ input/output embeddings, AdamW (lr 1e-3, betas 0.9/0.99, weight decay 0.1 on mat
 with a short linear warmup and a cosine decay to lr/10 at the last step, batches of 12 x 64 bytes. Nothing here comes
 from cipher_nb's model, trainer or optimizer code.
 
-Data: the training bytes come from cipher_nb's own loader for the base config (`build_loader(cfg, "train")`), so the
+Data: the training bytes come from cipher_nb's own loader for the base config (`build_loader`'s train split), so the
 documents, their order for a seed and the held-out split are exactly the ones the cipher_nb contenders see; only the
 model and the recipe differ. Each loader row (seq_len ids) is cut into pieces of 64 and the pieces are regrouped 12 at
 a time. The loader's specials become the minimal GPT's own vocabulary this way: an input special (the BOS that opens

@@ -145,7 +145,9 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
 
         over = [*a.overrides, f"training.seed={seed}"]
         cfg = load_config(a.config, over)  # the base config: its training documents, in this seed's order
-        tr = MinimalTrainer(build_loader(cfg, "train", 0, 1), steps, seed)
+        tr = MinimalTrainer(
+            build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", 0, 1), steps, seed
+        )
         tr.cfg = cfg
         return tr, over
     from cipher_nb.train.builder import build_trainer
@@ -239,7 +241,12 @@ def run_one(a) -> dict:
         # the BASE config's held-out split (same data for every contender), in rows of this contender's trained length
         eval_len = trained_length(a.one, tr.cfg)
         hcfg = load_config(a.config, [*a.overrides, *heldout_overrides(base, eval_len)])
-        heldout = list(islice(iter(build_loader(hcfg, "heldout", 0, 1)), hcfg.training.eval_batches))
+        heldout = list(
+            islice(
+                iter(build_loader(hcfg.data, hcfg.training, hcfg.schedule, hcfg.model.vocab, "heldout", 0, 1)),
+                hcfg.training.eval_batches,
+            )
+        )
         lengths = torch.as_tensor(build_codec(tr.cfg.data).byte_lengths)
         scored = HeldoutView(tr.model) if a.one == BASELINE else tr.model
 

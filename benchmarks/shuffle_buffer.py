@@ -48,7 +48,7 @@ def main():
         cfg.data.shuffle_buffer = size
         rates = []
         for _ in range(3):
-            ld = L.mixture_loader(cfg, "train", 0, 1)
+            ld = L.mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1)
             it = iter(ld)
             next(it)
             t = time.perf_counter()
@@ -57,7 +57,7 @@ def main():
             rates.append(args.batches / (time.perf_counter() - t))
         reader = ld.state_dict()["readers"][0]
         t = time.perf_counter()
-        pk = L.Packer(cfg)
+        pk = L.Packer(cfg.data, cfg.training)
         pk.restore(json.loads(json.dumps(reader)))
         pk.next_batch()
         restore = time.perf_counter() - t

@@ -13,6 +13,11 @@ import errno
 import os
 import signal
 import time
+from dataclasses import dataclass
+
+import torch
+
+from .callbacks import Callback
 
 # %% ../nbs/01b_faults.ipynb #af406664
 SAVE_POINTS = ("write", "rename", "marker")  # the state file half written; the directory complete; renamed, unmarked
@@ -58,13 +63,6 @@ def save_fault_point(name: str):
     print(f"cipher_nb fault injection: save paused at {name!r} (pid {os.getpid()})", flush=True)
     while True:
         time.sleep(1)
-
-# %% ../nbs/01b_faults.ipynb #3c2ae0f4
-from dataclasses import dataclass
-
-import torch
-
-from .callbacks import Callback
 
 # %% ../nbs/01b_faults.ipynb #f1d110ae
 IN_SAVE = {"kill-in-save": "die", "pause-in-save": "pause", "enospc-in-save": "enospc"}

@@ -132,7 +132,7 @@ def check_init(cfg):
     from cipher_nb.data.sources import data_fingerprint  # refinement must read exactly its source's data
     from cipher_nb.persist.stages import check_init_source
 
-    meta = check_init_source(cfg.stage.init, cfg, data_fingerprint(cfg))
+    meta = check_init_source(cfg.stage.init, cfg, data_fingerprint(cfg.data))
     return True, f"{cfg.stage.init}: stage {meta.get('stage')} step {meta.get('step')} -> {cfg.stage.name}"
 
 

@@ -18,8 +18,8 @@ def cfg(workers, grad_accum):
 
 def test_phase_switch_lands_on_its_micro_batch_with_workers():
     c = cfg(workers=2, grad_accum=1)  # the switch at micro-batch 13: inside a worker's second block of 8
-    switch = Curriculum(c).phases[1].start
-    it = iter(build_loader(c, "train", 0, 1))
+    switch = Curriculum(c.data, c.schedule).phases[1].start
+    it = iter(build_loader(c.data, c.training, c.schedule, c.model.vocab, "train", 0, 1))
     for k in range(switch + 6):
         text = C.ByteCodec().decode_bytes(next(it)["input_ids"])
         if k < switch:
@@ -30,15 +30,15 @@ def test_phase_switch_lands_on_its_micro_batch_with_workers():
 
 def test_resume_across_the_phase_switch_with_workers(tmp_path):
     c = cfg(workers=2, grad_accum=3)  # the switch at step 13 = micro-batch 39
-    full = build_loader(c, "train", 0, 1)
+    full = build_loader(c.data, c.training, c.schedule, c.model.vocab, "train", 0, 1)
     it = iter(full)
     ref = [next(it) for _ in range(50)]
-    a = build_loader(c, "train", 0, 1)
+    a = build_loader(c.data, c.training, c.schedule, c.model.vocab, "train", 0, 1)
     it = iter(a)
     for _ in range(35):
         next(it)
     torch.save(a.state_dict(), tmp_path / "data.pt")
-    b = build_loader(c, "train", 0, 1)
+    b = build_loader(c.data, c.training, c.schedule, c.model.vocab, "train", 0, 1)
     b.load_state_dict(torch.load(tmp_path / "data.pt", weights_only=True))
     it = iter(b)
     for r in ref[35:]:

@@ -36,36 +36,36 @@ def corpus(tmp_path):
 
 def test_max_bytes_changes_the_fingerprint(corpus):
     a, b = files_cfg(corpus), files_cfg(corpus, max_bytes=1234)
-    assert D.data_fingerprint(a) != D.data_fingerprint(b)
-    assert D.data_fingerprint(a) == D.data_fingerprint(files_cfg(corpus))
+    assert D.data_fingerprint(a.data) != D.data_fingerprint(b.data)
+    assert D.data_fingerprint(a.data) == D.data_fingerprint(files_cfg(corpus).data)
 
 
 def test_a_retrained_tokenizer_at_the_same_path_changes_the_fingerprint(corpus, tmp_path):
     tok = tmp_path / "tokenizer.json"
     tok.write_text('{"model": {"vocab": {"a": 0}}}')
     cfg = files_cfg(corpus, codec="tokenizer", tokenizer=str(tok))
-    before = D.data_fingerprint(cfg)
-    assert before != D.data_fingerprint(files_cfg(corpus))  # the codec counts
+    before = D.data_fingerprint(cfg.data)
+    assert before != D.data_fingerprint(files_cfg(corpus).data)  # the codec counts
     tok.write_text('{"model": {"vocab": {"a": 0, "b": 1}}}')
-    assert D.data_fingerprint(cfg) != before
+    assert D.data_fingerprint(cfg.data) != before
 
 
 def test_the_heldout_split_changes_the_fingerprint(corpus, tmp_path):
     ev = tmp_path / "eval.txt"
     ev.write_bytes(b"one evaluation document")
     fps = {
-        D.data_fingerprint(files_cfg(corpus, **kw))
+        D.data_fingerprint(files_cfg(corpus, **kw).data)
         for kw in (dict(), dict(heldout_frac=0.1), dict(heldout_tail_bytes=100), dict(heldout_path=str(ev)))
     }
     assert len(fps) == 4
-    before = D.data_fingerprint(files_cfg(corpus, heldout_path=str(ev)))
+    before = D.data_fingerprint(files_cfg(corpus, heldout_path=str(ev)).data)
     ev.write_bytes(b"another evaluation document")  # same path, other content
-    assert D.data_fingerprint(files_cfg(corpus, heldout_path=str(ev))) != before
+    assert D.data_fingerprint(files_cfg(corpus, heldout_path=str(ev)).data) != before
 
 
 def test_unpinned_hub_sources_are_recorded_and_warned():
     cfg = load_config(None, HUB)
-    man = D.data_manifest(cfg)  # a hub source is identified by its spec: nothing is downloaded
+    man = D.data_manifest(cfg.data)  # a hub source is identified by its spec: nothing is downloaded
     assert man["pinned"] is False and man["sources"]["main"]["pinned"] is False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -74,8 +74,8 @@ def test_unpinned_hub_sources_are_recorded_and_warned():
     msg = str(caught[0].message)
     assert "'main'" in msg and "data.revision=<commit" in msg and "\n" not in msg
     pinned = load_config(None, [*HUB[:2], "data.revision=" + "ab" * 20])
-    assert D.data_manifest(pinned)["pinned"] is True
-    assert D.data_manifest(load_config(None, ["data.source=mock"]))["pinned"] is True
+    assert D.data_manifest(pinned.data)["pinned"] is True
+    assert D.data_manifest(load_config(None, ["data.source=mock"]).data)["pinned"] is True
 
 
 def _source_ckpt(tmp_path, cfg, fp):
@@ -95,26 +95,26 @@ def test_refinement_from_an_unpinned_source_is_refused_unless_allowed(tmp_path):
 
 def test_refinement_from_local_files_needs_no_pin(tmp_path, corpus):
     cfg = files_cfg(corpus)
-    fp = D.data_fingerprint(cfg)
+    fp = D.data_fingerprint(cfg.data)
     src = _source_ckpt(tmp_path, cfg, fp)
     refine = files_cfg(corpus)
     refine.stage.name = "refinement"
-    check_init_source(src, refine, D.data_fingerprint(refine))
+    check_init_source(src, refine, D.data_fingerprint(refine.data))
 
 
 def test_a_single_file_with_a_heldout_tail_yields_heldout_batches(corpus):
     cfg = files_cfg(corpus, heldout_frac=0.0, heldout_tail_bytes=300, max_bytes=0)
     assert D.has_heldout(cfg.data)
-    held = list(build_loader(cfg, "heldout", 0, 1))
+    held = list(build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "heldout", 0, 1))
     assert held and documents_in(held) == [corpus.read_bytes()[-300:]]
-    train = documents_in(build_loader(cfg, "train", 0, 1, epochs=1))
+    train = documents_in(build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", 0, 1, epochs=1))
     assert train == [corpus.read_bytes()[:-300]]
 
 
 def test_without_heldout_data_the_heldout_loader_yields_nothing(corpus):
     for cfg in (files_cfg(corpus, heldout_frac=0.0), files_cfg(corpus, heldout_frac=1e-9)):
         assert not D.has_heldout(cfg.data)
-        assert list(build_loader(cfg, "heldout", 0, 1)) == []
+        assert list(build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "heldout", 0, 1)) == []
 
 
 def test_a_heldout_path_is_all_evaluation_reads(corpus, tmp_path):
@@ -122,9 +122,11 @@ def test_a_heldout_path_is_all_evaluation_reads(corpus, tmp_path):
     for i in range(3):
         (tmp_path / "ev" / f"{i}.txt").write_bytes(b"evaluation document %d" % i)
     cfg = files_cfg(corpus, heldout_frac=0.5, heldout_path=str(tmp_path / "ev" / "*.txt"), max_bytes=0)
-    held = documents_in(build_loader(cfg, "heldout", 0, 1))
+    held = documents_in(build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "heldout", 0, 1))
     assert sorted(held) == [b"evaluation document %d" % i for i in range(3)]
-    assert documents_in(build_loader(cfg, "train", 0, 1, epochs=1)) == [corpus.read_bytes()]  # none held out by hash
+    assert documents_in(
+        build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", 0, 1, epochs=1)
+    ) == [corpus.read_bytes()]  # none held out by hash
 
 
 def test_tail_mode_refuses_streamed_sources(tmp_path):
@@ -139,12 +141,14 @@ def test_exact_resume_inside_a_file_without_its_tail(tmp_path):
     for i in range(5):
         (tmp_path / f"{i}.txt").write_bytes(b"".join(b"file %d line %d\n" % (i, k) for k in range(200)))
     cfg = files_cfg(tmp_path / "*.txt", heldout_frac=0.0, heldout_tail_bytes=500, max_bytes=0)
-    ref = [b for _, b in zip(range(30), build_loader(cfg, "train", 0, 1))]
-    a = build_loader(cfg, "train", 0, 1)
+    ref = [
+        b for _, b in zip(range(30), build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", 0, 1))
+    ]
+    a = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", 0, 1)
     it = iter(a)
     for _ in range(13):  # stops inside a file
         next(it)
-    b = build_loader(cfg, "train", 0, 1)
+    b = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", 0, 1)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     for r, x in zip(ref[13:], b):
         for k in r:
@@ -153,7 +157,7 @@ def test_exact_resume_inside_a_file_without_its_tail(tmp_path):
 
 def _fingerprint_before_split(cfg) -> str:
     "The fingerprint as it was computed before long text files were split (no `long_files` in the manifest)."
-    man = D.data_manifest(cfg)
+    man = D.data_manifest(cfg.data)
     for s in man["sources"].values():
         s.pop("long_files", None)
     return hashlib.sha256(json.dumps(man, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -162,11 +166,11 @@ def _fingerprint_before_split(cfg) -> str:
 def test_splitting_long_files_changes_the_fingerprint_only_where_it_changes_what_is_read(corpus, tmp_path):
     "A file over max_bytes is now read whole: refinement from a run made before is refused; short files: as before."
     long = files_cfg(corpus)  # 14 kB at max_bytes 8192
-    assert D.data_manifest(long)["sources"]["main"]["long_files"] == "split"
+    assert D.data_manifest(long.data)["sources"]["main"]["long_files"] == "split"
     src = _source_ckpt(tmp_path, long, _fingerprint_before_split(long))
     refine = files_cfg(corpus)
     refine.stage.name = "refinement"
     with pytest.raises(StageError, match="refinement data differs"):
-        check_init_source(src, refine, D.data_fingerprint(refine))
+        check_init_source(src, refine, D.data_fingerprint(refine.data))
     for cfg in (files_cfg(corpus, max_bytes=0), files_cfg(corpus, max_bytes=1 << 16), Config()):
-        assert D.data_fingerprint(cfg) == _fingerprint_before_split(cfg)  # nothing cut, nothing split: unchanged
+        assert D.data_fingerprint(cfg.data) == _fingerprint_before_split(cfg)  # nothing cut, nothing split: unchanged

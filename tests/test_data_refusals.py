@@ -56,7 +56,8 @@ NOTHING = [  # (what, the corpus, data settings, the fragment the refusal must h
 def test_a_source_with_nothing_to_train_on_is_refused_when_the_loader_is_built(tmp_path, what, corpus, data, fragment):
     path = corpus(tmp_path)
     with deadline(), pytest.raises(D.DataError) as e:
-        L.mixture_loader(files_cfg(path, **{"heldout_frac": 0.0, **data}), "train", 0, 1)  # no batch is asked for
+        cfg = files_cfg(path, **{"heldout_frac": 0.0, **data})
+        L.mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1)  # no batch is asked for
     msg = str(e.value)
     assert f"data.path = '{path}'" in msg and fragment in msg and "\n" not in msg, msg
 
@@ -68,14 +69,16 @@ def test_a_named_source_with_nothing_to_train_on_names_its_key(tmp_path):
         "book": dict(source="files", path=str(one_file(tmp_path))),
     }
     with pytest.raises(D.DataError, match=r"source 'book': data.sources.book.path = '.*corpus.txt' has nothing"):
-        L.mixture_loader(cfg, "train", 0, 1, mix=lambda step: {"web": 1.0, "book": 1.0})
+        L.mixture_loader(
+            cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1, mix=lambda step: {"web": 1.0, "book": 1.0}
+        )
 
 
 def test_an_epoch_without_a_document_raises_instead_of_spinning(tmp_path):
     "Past the loader's check (a packer built directly): the first epoch with nothing in it stops with the reason."
     cfg = files_cfg(empty_folder(tmp_path), heldout_frac=0.0)
     with deadline(), pytest.raises(D.DataError, match="all 3 files are empty"):
-        L.Packer(cfg).next_batch()
+        L.Packer(cfg.data, cfg.training).next_batch()
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -86,7 +89,7 @@ def test_a_stream_of_rows_without_text_is_refused(tmp_path, monkeypatch, workers
     rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in [""] * 300 + ["late"]))
     cfg = files_cfg(rows, heldout_frac=0.0, shuffle_buffer=0, num_workers=workers)
     with deadline(), pytest.raises(D.DataError) as e:
-        next(iter(L.mixture_loader(cfg, "train", 0, 1)))
+        next(iter(L.mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1)))
     msg = str(e.value)  # from a DataLoader worker too: one line, not the worker's traceback
     assert msg.startswith("source 'main' (files '") and "rows.jsonl'): 100 rows in a row" in msg, msg
     assert "\n" not in msg, msg

@@ -125,26 +125,34 @@ def test_the_loader_state_carries_the_buffer_through_torch_save(tmp_path):
     spec = write_source(tmp_path, "jsonl")
     cfg = small_cfg(spec, num_workers=2, shuffle_buffer=16)
     k, m = 13, 15
-    it = iter(L.mixture_loader(cfg, "train", 0, 1))
+    it = iter(L.mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1))
     ref = [next(it) for _ in range(k + m)]
-    first = L.mixture_loader(cfg, "train", 0, 1)
+    first = L.mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1)
     it = iter(first)
     [next(it) for _ in range(k)]
     sd = first.state_dict()
     sh = sd["readers"][0]["sources"]["main"]["shuffle"]
     assert len(sh["slots"]) == 16 and sh["anchors"]
     torch.save(sd, tmp_path / "data.pt")
-    resumed = L.mixture_loader(cfg, "train", 0, 1)
+    resumed = L.mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1)
     resumed.load_state_dict(torch.load(tmp_path / "data.pt", weights_only=True))
     it = iter(resumed)
     for r in ref[k:]:
         b = next(it)
         assert all(torch.equal(b[key], r[key]) for key in r)
-    other = L.mixture_loader(small_cfg(spec, num_workers=2, shuffle_buffer=32), "train", 0, 1)
+    other = L.mixture_loader(
+        small_cfg(spec, num_workers=2, shuffle_buffer=32).data, cfg.training, cfg.model.vocab, "train", 0, 1
+    )
     with pytest.raises(ValueError, match=r"shuffle_buffer \(saved 16, now 32\)"):
         other.load_state_dict(sd)
-    off = L.documents_in(L.mixture_loader(small_cfg(spec, shuffle_buffer=0), "train", 0, 1, epochs=1))
-    on = L.documents_in(L.mixture_loader(small_cfg(spec, shuffle_buffer=16), "train", 0, 1, epochs=1))
+    off = L.documents_in(
+        L.mixture_loader(small_cfg(spec, shuffle_buffer=0).data, cfg.training, cfg.model.vocab, "train", 0, 1, epochs=1)
+    )
+    on = L.documents_in(
+        L.mixture_loader(
+            small_cfg(spec, shuffle_buffer=16).data, cfg.training, cfg.model.vocab, "train", 0, 1, epochs=1
+        )
+    )
     assert off == [t.encode() for t in texts()] and on != off and sorted(on) == sorted(off)
 
 

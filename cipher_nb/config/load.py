@@ -242,6 +242,11 @@ def _leaves(obj, prefix: str):
             yield key, v, hints[f.name], f
 
 
+def _flat(section, name: str, critical_only: bool) -> dict:
+    "The leaves of the section `name` by their paths (`model.moe.top_k`), cosmetic ones left out if `critical_only`."
+    return {key: v for key, v, _, f in _leaves(section, name) if not (critical_only and f.metadata.get("cosmetic"))}
+
+
 def _at(obj, key: str):
     "The value at the dotted path `key` (`schedule.max_steps`) inside `obj`."
     for name in key.split("."):
@@ -249,16 +254,19 @@ def _at(obj, key: str):
     return obj
 
 
-def _check_values(cfg: Config):
-    "Raise a `ConfigError` for a name outside its `Literal`, a NaN, or an integer below its bound in `AT_LEAST`."
-    for s in fields(cfg):
-        for key, v, typ, _ in _leaves(getattr(cfg, s.name), s.name):
-            if typing.get_origin(typ) is Literal:
-                _choose(v, typing.get_args(typ), key)
-            if isinstance(v, float) and math.isnan(v):
-                raise ConfigError(f"{key} is NaN: give a number")
+def _check_values(section, name: str):
+    "Raise a `ConfigError` for a name outside its `Literal` or a NaN in the section `name`."
+    for key, v, typ, _ in _leaves(section, name):
+        if typing.get_origin(typ) is Literal:
+            _choose(v, typing.get_args(typ), key)
+        if isinstance(v, float) and math.isnan(v):
+            raise ConfigError(f"{key} is NaN: give a number")
+
+# %% ../../nbs/01_config.ipynb #e590598e
+def _check_bounds(values: dict):
+    "Raise a `ConfigError` for an integer of `values` (path -> value) below its bound in `AT_LEAST`."
     for key, (least, what) in AT_LEAST.items():  # in the table's order: the step count before its warmup
-        if (v := _at(cfg, key)) < least:
+        if (v := values[key]) < least:
             raise ConfigError(f"{key} ({v}) must be >= {least}: {what}")
 
 # %% ../../nbs/01_config.ipynb #c0ec7a11
@@ -266,16 +274,15 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _check_collections(cfg: Config):
+def _check_collections(o: OptimConfig, m: ModelConfig, s: SFTConfig):
     "Raise a `ConfigError` for an element of a list or mapping field that its users could not read."
-    o, m, s = cfg.optim, cfg.model, cfg.sft
     if not (len(o.betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in o.betas)):
         raise ConfigError(f"optim.betas must hold two numbers in [0, 1), got {o.betas}")
     for key, what, allowed in (
         ("optim.lr_mult", "learning-rate multiplier >= 0", lambda v: v >= 0),  # 0 freezes those parameters
         ("optim.clip_groups", "gradient-norm clip > 0", lambda v: v > 0),
     ):
-        for k, v in _at(cfg, key).items():
+        for k, v in getattr(o, key.split(".")[1]).items():
             if not (isinstance(k, str) and _is_number(v) and allowed(v)):
                 as_text = isinstance(v, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", v)  # YAML 1.1: 5e-1 is text
                 text = " (YAML reads 5e-1 as text: write 0.5 or 5.0e-1)" if as_text else ""
@@ -389,8 +396,13 @@ def sft_rules(s: SFTConfig) -> list:
 # %% ../../nbs/01_config.ipynb #5a9044de
 def validate(cfg: Config) -> Config:
     "Raise a `ConfigError` naming the fields of the first impossible value or combination found."
-    _check_values(cfg)
-    _check_collections(cfg)
+    values = {}
+    for s in fields(cfg):
+        section = getattr(cfg, s.name)
+        _check_values(section, s.name)
+        values.update(_flat(section, s.name, critical_only=False))
+    _check_bounds(values)
+    _check_collections(cfg.optim, cfg.model, cfg.sft)
     rules = [*model_rules(cfg.model), *schedule_rules(cfg.schedule), *data_rules(cfg.data), *sft_rules(cfg.sft)]
     corr = cfg.monitor.max_token_corr
     rules.append((0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"))
@@ -511,18 +523,9 @@ def save_config(cfg: Config, path):
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 # %% ../../nbs/01_config.ipynb #ef607679
-def _flat(cfg: Config, critical_only: bool) -> dict:
-    return {
-        key: v
-        for s in fields(cfg)
-        for key, v, _, f in _leaves(getattr(cfg, s.name), s.name)
-        if not (critical_only and f.metadata.get("cosmetic"))
-    }
-
-
 def critical_dict(cfg: Config) -> dict:
     "The training-critical fields, flattened to their paths (`model.moe.top_k`)."
-    return _flat(cfg, True)
+    return {k: v for s in fields(cfg) for k, v in _flat(getattr(cfg, s.name), s.name, critical_only=True).items()}
 
 
 def config_hash(cfg: Config) -> str:

@@ -143,7 +143,7 @@ def engram_lines(m: ModelConfig) -> list:
         f"lookups, so neither active nor in the FLOPs ({reads:,} projection parameters are)"
     ]
 
-
+# %% ../../nbs/01d_sizing.ipynb #8487f113
 def kv_cache_line(m: ModelConfig) -> str:
     "`cipher-config`'s KV-cache line: bytes per generated position in bf16; for MLA, its saving over GQA at this width."
     n = kv_bytes_per_token(m)
@@ -153,7 +153,7 @@ def kv_cache_line(m: ModelConfig) -> str:
         line += f"; grouped-query attention with {m.attention.n_kv_heads} KV heads: {gqa:,} ({gqa / n:.1f}x MLA)"
     return line
 
-
+# %% ../../nbs/01d_sizing.ipynb #bfdc4b29
 def describe(cfg: Config) -> str:
     "The resolved config as YAML, then parameter counts, FLOPs per token and the hash."
     pc = param_counts(cfg.model)

@@ -46,7 +46,7 @@ def mock_scripts(path: str = "", where: str = "data.path") -> tuple:
         raise ConfigError(f"{where}: unknown mock script(s) {', '.join(bad)}; choose from {', '.join(MOCK_SCRIPTS)}")
     return names
 
-# %% ../../nbs/02_corpora.ipynb #4edd620c
+# %% ../../nbs/02_corpora.ipynb #b0df9969
 _WORDS = dict(
     latin="the river city book teacher sun road water wind house school reads writes sees builds large quiet old new "
     "small bright",
@@ -56,7 +56,7 @@ _WORDS = dict(
     cjk="河流 城市 书 老师 太阳 道路 水 风 房子 学校 阅读 写 看见 建造 大 安静 旧 新",
 )
 
-# %% ../../nbs/02_corpora.ipynb #b0df9969
+
 def _mock_doc(script: str, i: int) -> str:
     rng = np.random.default_rng([MOCK_SCRIPTS.index(script), i])
     n = int(rng.integers(2, 24))  # sentences (or lines) in this document

@@ -11,7 +11,7 @@ __all__ = ['step_boundary', 'Phase', 'parse_phases', 'Curriculum', 'build_loader
 import math
 from dataclasses import dataclass
 
-from ..config.load import Config, ConfigError
+from ..config.load import ConfigError, DataConfig, ScheduleConfig, TrainConfig
 from .loader import Loader, mixture_loader
 from .sources import source_specs
 
@@ -31,11 +31,11 @@ class Phase:
     mix: dict
 
 # %% ../../nbs/03_curriculum.ipynb #9d46a2d2
-def parse_phases(cfg: Config) -> list:
-    "The `Phase`s of `data.phases` (or one uniform phase), validated against `data.sources`."
-    names = sorted(source_specs(cfg.data))
-    raw = cfg.data.phases or [dict(name="all", until=1.0, mix={n: 1.0 for n in names})]
-    T, out, prev = cfg.schedule.max_steps, [], 0.0
+def parse_phases(data: DataConfig, max_steps: int) -> list:
+    "The `Phase`s of `data.phases` (or one uniform phase) over `max_steps`, validated against `data.sources`."
+    names = sorted(source_specs(data))
+    raw = data.phases or [dict(name="all", until=1.0, mix={n: 1.0 for n in names})]
+    T, out, prev = max_steps, [], 0.0
     for i, p in enumerate(raw):
         where = f"data.phases[{i}]"
         if not isinstance(p, dict) or "until" not in p or "mix" not in p:
@@ -84,10 +84,10 @@ def parse_phases(cfg: Config) -> list:
 class Curriculum:
     "Phase, data mixture and boundary-predictor mode of each optimizer step (`data.phases`, `data.bp_fixed_frac`)."
 
-    def __init__(self, cfg: Config):
-        self.phases = parse_phases(cfg)
-        self.max_steps = cfg.schedule.max_steps
-        self.bp_switch = step_boundary(cfg.data.bp_fixed_frac, cfg.schedule.max_steps)  # first adaptive step
+    def __init__(self, data: DataConfig, schedule: ScheduleConfig):
+        self.phases = parse_phases(data, schedule.max_steps)
+        self.max_steps = schedule.max_steps
+        self.bp_switch = step_boundary(data.bp_fixed_frac, schedule.max_steps)  # first adaptive step
         self._ends = [p.end for p in self.phases]
 
     def phase(self, step: int) -> int:
@@ -119,12 +119,16 @@ class Curriculum:
 
 # %% ../../nbs/03_curriculum.ipynb #3f1dc5ac
 def build_loader(
-    cfg: Config,
+    data: DataConfig,
+    training: TrainConfig,
+    schedule: ScheduleConfig,
+    vocab: int,
     split: str = "train",
     rank: int = None,
     world_size: int = None,
     epochs: int = None,
     pin_memory: bool = False,
 ) -> Loader:
-    "The data loader of `cfg` with its curriculum: each document's source is drawn from its step's phase mixture."
-    return mixture_loader(cfg, split, rank, world_size, mix=Curriculum(cfg).mix, epochs=epochs, pin_memory=pin_memory)
+    "The data loader with its curriculum: each document's source is drawn from its step's phase mixture."
+    mix = Curriculum(data, schedule).mix
+    return mixture_loader(data, training, vocab, split, rank, world_size, mix=mix, epochs=epochs, pin_memory=pin_memory)

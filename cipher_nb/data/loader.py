@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 
-from ..config.load import Config, ConfigError
+from ..config.load import ConfigError, DataConfig, TrainConfig
 from ..core import dist_env
 from .codecs import ByteCodec, build_codec
 from cipher_nb.data.sources import (
@@ -161,7 +161,8 @@ class Packer:
 
     def __init__(
         self,
-        cfg: Config,
+        data: DataConfig,
+        training: TrainConfig,
         split: str = "train",
         rank: int = 0,
         world_size: int = 1,
@@ -172,7 +173,7 @@ class Packer:
         epochs=None,
         block: int = 1,
     ):
-        d, t = cfg.data, cfg.training
+        d, t = data, training
         self.B, self.T, self.grad_accum, self.max_bytes = t.batch_size, t.seq_len, t.grad_accum, d.max_bytes
         self.codec = codec or build_codec(d)
         self.specs, frac, tail = split_sources(d, split)  # the held-out split may read its own files
@@ -374,8 +375,8 @@ class _Readers(torch.utils.data.IterableDataset):
                 return
 
 
-def _make_packer(cfg, split, rank, world_size, n_workers, mix, epochs, block, w):
-    return Packer(cfg, split, rank, world_size, w, n_workers, mix=mix, epochs=epochs, block=block)
+def _make_packer(data, training, split, rank, world_size, n_workers, mix, epochs, block, w):
+    return Packer(data, training, split, rank, world_size, w, n_workers, mix=mix, epochs=epochs, block=block)
 
 # %% ../../nbs/02b_loader.ipynb #4c5fb7da
 class Loader:
@@ -383,7 +384,8 @@ class Loader:
 
     def __init__(
         self,
-        cfg: Config,
+        data: DataConfig,
+        training: TrainConfig,
         split: str = "train",
         rank: int = 0,
         world_size: int = 1,
@@ -393,12 +395,12 @@ class Loader:
     ):
         if split not in ("train", "heldout"):
             raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-        self.cfg, self.split, self.rank, self.world_size = cfg, split, rank, world_size
-        self.n_workers = max(1, cfg.data.num_workers)
-        self.block = WORKER_BLOCK if cfg.data.num_workers else 1
+        self.data, self.training, self.split, self.rank, self.world_size = data, training, split, rank, world_size
+        self.n_workers = max(1, data.num_workers)
+        self.block = WORKER_BLOCK if data.num_workers else 1
         self.pin_memory = pin_memory  # off by default: pinning small batches one at a time slows the loader down
         self._make = functools.partial(
-            _make_packer, cfg, split, rank, world_size, self.n_workers, mix, epochs, self.block
+            _make_packer, data, training, split, rank, world_size, self.n_workers, mix, epochs, self.block
         )
         self.k, self.states = (
             0,
@@ -406,14 +408,14 @@ class Loader:
         )  # micro-batches handed out; each reader's state after its last one
 
     def _layout(self) -> dict:
-        t = self.cfg.training
+        t = self.training
         return dict(
             batch_size=t.batch_size,
             seq_len=t.seq_len,
-            num_workers=self.cfg.data.num_workers,
+            num_workers=self.data.num_workers,
             world_size=self.world_size,
             rank=self.rank,
-            shuffle_buffer=shuffle_buffer(self.cfg.data),
+            shuffle_buffer=shuffle_buffer(self.data),
         )
 
     def iter_readers(self):
@@ -421,7 +423,7 @@ class Loader:
         resume = self.split == "train"
         k, states = (self.k, list(self.states)) if resume else (0, [None] * self.n_workers)
         ds = _Readers(self._make, states, k // self.block % self.n_workers, self.n_workers, self.block)
-        if self.cfg.data.num_workers == 0:
+        if self.data.num_workers == 0:
             it = iter(ds)
         else:
             it = iter(
@@ -479,7 +481,9 @@ class Loader:
 
 # %% ../../nbs/02b_loader.ipynb #3b515f96
 def mixture_loader(
-    cfg: Config,
+    data: DataConfig,
+    training: TrainConfig,
+    vocab: int,
     split: str = "train",
     rank: int = None,
     world_size: int = None,
@@ -488,26 +492,27 @@ def mixture_loader(
     pin_memory: bool = False,
 ) -> Loader:
     "The batches of `split` ('train' repeats forever, 'heldout' is finite) for this rank, sources drawn from `mix`."
+    # vocab: the model's (`model.vocab`), which the codec's ids must fit in
     env = dist_env()
     rank = env.rank if rank is None else rank
     world_size = env.world_size if world_size is None else world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    if cfg.data.phases and mix is None:
+    if data.phases and mix is None:
         raise ConfigError(
             "data.phases is set: build the loader with cipher_nb.data.curriculum.build_loader "
-            "(or pass mix=Curriculum(cfg).mix)"
+            "(or pass mix=Curriculum(data, schedule).mix)"
         )
-    codec = build_codec(cfg.data)
-    if codec.vocab_size > cfg.model.vocab:
+    codec = build_codec(data)
+    if codec.vocab_size > vocab:
         raise ConfigError(
-            f"model.vocab ({cfg.model.vocab}) is smaller than the codec's vocabulary "
-            f"({codec.vocab_size}, data.codec={cfg.data.codec!r})"
+            f"model.vocab ({vocab}) is smaller than the codec's vocabulary "
+            f"({codec.vocab_size}, data.codec={data.codec!r})"
         )
-    prepare_sources(cfg.data)  # in the main process, so that forked DataLoader workers inherit the caches
+    prepare_sources(data)  # in the main process, so that forked DataLoader workers inherit the caches
     if split == "train":
-        check_trainable(cfg.data)  # a source with nothing to train on: refused now, not an endless first step
-    return Loader(cfg, split, rank, world_size, mix=mix, epochs=epochs, pin_memory=pin_memory)
+        check_trainable(data)  # a source with nothing to train on: refused now, not an endless first step
+    return Loader(data, training, split, rank, world_size, mix=mix, epochs=epochs, pin_memory=pin_memory)
 
 # %% ../../nbs/02b_loader.ipynb #1afdcc07
 def documents_in(batches, codec=None) -> list:

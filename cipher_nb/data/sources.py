@@ -666,32 +666,31 @@ def _codec_manifest(d: DataConfig) -> dict:
     return dict(kind=d.codec, tokenizer=_content_hash(str(p), (s := p.stat()).st_size, s.st_mtime))
 
 
-def data_manifest(cfg: Config) -> dict:
+def data_manifest(data: DataConfig) -> dict:
     "What the data fingerprint hashes: sources and their content, document length, codec, held-out split, phases."
     srcs = {}
-    for name, spec in sorted(source_specs(cfg.data).items()):
+    for name, spec in sorted(source_specs(data).items()):
         ident = {k: v for k, v in asdict(spec).items() if k != "name" and not (k == "path" and spec.source == "files")}
         if spec.source == "stdlib":
             ident["documents"] = _files_manifest(stdlib_files())
         elif spec.source == "mock":
             ident["documents"] = [hashlib.blake2b(d, digest_size=16).hexdigest() for d in mock_docs(spec.path)]
         elif spec.source == "files":
-            ident.update(_text_files_manifest(resolve_files(spec.path, f"source {name!r} path"), cfg.data))
+            ident.update(_text_files_manifest(resolve_files(spec.path, f"source {name!r} path"), data))
         else:
             ident["pinned"] = is_commit(spec.revision)
         srcs[name] = ident
-    d = cfg.data
     return dict(
         sources=srcs,
-        max_bytes=d.max_bytes,
-        codec=_codec_manifest(d),
-        heldout=_heldout_manifest(d),
-        phases=d.phases,
+        max_bytes=data.max_bytes,
+        codec=_codec_manifest(data),
+        heldout=_heldout_manifest(data),
+        phases=data.phases,
         pinned=all(s.get("pinned", True) for s in srcs.values()),
     )
 
 
-def data_fingerprint(cfg: Config) -> str:
+def data_fingerprint(data: DataConfig) -> str:
     "A 16-hex-digit hash of `data_manifest`: which bytes and ids the model sees."
-    blob = json.dumps(data_manifest(cfg), sort_keys=True, default=str)
+    blob = json.dumps(data_manifest(data), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

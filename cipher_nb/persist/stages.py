@@ -137,10 +137,10 @@ class StageHooks:
 
     def data(self, cfg: Config, rank: int, world_size: int) -> tuple:
         "The training loader and the held-out batches (none when `has_heldout` says there are none)."
-        train = build_loader(cfg, "train", rank, world_size)
+        train = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", rank, world_size)
         if not has_heldout(cfg.data):
             return train, []
-        heldout = build_loader(cfg, "heldout", rank, world_size)
+        heldout = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "heldout", rank, world_size)
         return train, list(islice(iter(heldout), cfg.training.eval_batches))
 
     def export_model(self, model: nn.Module) -> nn.Module:

@@ -181,7 +181,7 @@ def build_trainer(
     cfg = hooks.config(cfg)
     device = resolve_device(cfg.training.device)
     init_distributed(env, device)
-    fingerprint = data_fingerprint(cfg)
+    fingerprint = data_fingerprint(cfg.data)
     source = resume_source(resume, run_dir) if resume else None
     check_start(cfg, source, fingerprint, hooks, env.world_size)
     seed_everything(cfg.training.seed)  # the same initial weights on every rank
@@ -227,7 +227,7 @@ def build_trainer(
         env=env,
         dtype=choice.dtype,
         scaler=torch.amp.GradScaler(device.type) if choice.scaler else None,
-        curriculum=Curriculum(cfg),
+        curriculum=Curriculum(cfg.data, cfg.schedule),
         monitor=MonitorCallback(cfg),
         eval_fn=heldout_eval(lengths) if heldout else None,
         heldout=heldout,

@@ -321,7 +321,7 @@ def load_export(path) -> tuple:
 
 def final_bp_mode(cfg: Config) -> str:
     "The boundary mode the curriculum trained the last step with (what the model is used with after training)."
-    return Curriculum(cfg).bp_mode(cfg.schedule.max_steps - 1)
+    return Curriculum(cfg.data, cfg.schedule).bp_mode(cfg.schedule.max_steps - 1)
 
 
 @torch.no_grad()
