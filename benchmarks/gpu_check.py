@@ -181,7 +181,8 @@ def run_mode(cfg, spec: str, device, steps: int, warmup: int, emulate: bool, cpu
     report = convert_model(
         model, choice, experts=m["experts"], probe=lambda mdl: micro(mdl, batches[0]), min_dim=min_dim
     )
-    opt = build_optimizer(model, cfg)  # before wrapping: the optimizer's parameter names stay the model's own
+    # before wrapping: the optimizer's parameter names stay the model's own
+    opt = build_optimizer(model, cfg.optim, cfg.schedule.lr)
     if m["ac"]:
         if apply_ac is not None:
             apply_ac(model, "full")

@@ -74,13 +74,13 @@ def test_tables_take_the_memory_multiplier_and_stay_off_muon():
     "AdamW groups: the tables alone at lr_mult.memory, no decay; Muon takes the Engram projections, not the tables."
     cfg = load_config(None, [*ENGRAM, "optim.lr_mult.memory=7.0"])
     model = CipherModel(cfg.model)
-    g = memory_group(param_groups(model, cfg))
+    g = memory_group(param_groups(model, cfg.optim, cfg.schedule.lr))
     assert sorted(g["names"]) == TABLES and g["lr_mult"] == 7.0 and g["weight_decay"] == 0.0
     assert g["lr"] == pytest.approx(7.0 * cfg.schedule.lr)
-    names = muon_names(model, cfg)
+    names = muon_names(model, cfg.optim.lr_mult)
     assert not [n for n in names if "memory" in n]
     assert {"engram.0.wk.weight", "engram.0.wo.weight"} <= set(names)  # the projections are hidden matrices
-    opt = build_muon(model, cfg)
+    opt = build_muon(model, cfg.optim, cfg.schedule.lr)
     on_muon = {id(p) for group in opt.muon.param_groups for p in group["params"]}
     tables = [p for n, p in model.named_parameters() if n in TABLES]
     assert not any(id(p) in on_muon for p in tables)
@@ -95,7 +95,7 @@ def test_tables_move_faster_with_the_multiplier():
         cfg = load_config(None, [*ENGRAM, f"optim.lr_mult.memory={mult}", "optim.weight_decay=0.0"])
         torch.manual_seed(0)
         model = CipherModel(cfg.model)
-        opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.schedule.lr)
+        opt = torch.optim.AdamW(param_groups(model, cfg.optim, cfg.schedule.lr), lr=cfg.schedule.lr)
         set_lr(opt, 1e-3)
         before = model.engram["0"].memory.weight.detach().clone()
         x = torch.randint(0, 256, (2, 32))

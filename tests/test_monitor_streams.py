@@ -54,7 +54,7 @@ def drive(overrides=(), stats=None, row=None, val=None):
             "monitor": dict(overrides),
         }
     )
-    cb = MonitorCallback(cfg)
+    cb = MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups)
     tr = SimpleNamespace(cfg=cfg, model=torch.nn.Linear(2, 2), step=0, last_out=None, is_main=True)
     rows = []
     with warnings.catch_warnings(record=True) as caught:
@@ -126,7 +126,7 @@ def test_log_step_costs_one_host_sync():
     cfg = config_from_dict({"training": {"log_every": 5}})
     model = torch.nn.ModuleDict(dict(experts=torch.nn.Linear(3, 3)))
     tr = SimpleNamespace(cfg=cfg, model=model, step=0, last_out=SimpleNamespace(stats=healthy_stats(0)), is_main=True)
-    cb = MonitorCallback(cfg, warn=False)
+    cb = MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups, warn=False)
     with HostSyncCounter() as sc:
         for step in range(1, 11):
             tr.step = step - 1
@@ -193,7 +193,7 @@ def test_load_metrics_come_from_the_whole_window():
     found, rows = drive(stats=lambda s: skewed)  # no window_stats: the last micro-batch decides
     assert [t.name for t in found] == ["expert collapse"] and rows[0]["router/layer1_max_load"] == 7.5
     cfg = config_from_dict({"model": {"n_routed": 8, "top_k": 2}})
-    cb = MonitorCallback(cfg, warn=False)
+    cb = MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups, warn=False)
     tr = SimpleNamespace(cfg=cfg, model=None, step=10, last_out=SimpleNamespace(stats=skewed), window_stats=window)
     row = {"step": 10, "loss": 2.0}
     cb.on_log(tr, row)
@@ -204,7 +204,8 @@ def test_health_warning_is_one_line():
     found, _ = drive(**CASES["gradient explosion"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        MonitorCallback(config_from_dict({})).on_log(
+        cfg = config_from_dict({})
+        MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every).on_log(
             SimpleNamespace(step=1, last_out=None, model=None), {"step": 1, "grad_norm": 99.0}
         )
     (w,) = caught

@@ -83,7 +83,7 @@ WORKER = textwrap.dedent("""
         m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))   # 8192-element weights: 8-bit
         for layer in (m[0], m[2]): fully_shard(layer)
         fully_shard(m)
-        return m, build_optimizer(m, cfg)
+        return m, build_optimizer(m, cfg.optim, cfg.schedule.lr)
 
     def step(m, opt, i):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * i + rank))

@@ -252,7 +252,7 @@ def fresh(name, lr=3e-3):
     cfg = Config()
     cfg.optim.name = name
     cfg.schedule.lr = lr
-    return model, build_optimizer(model, cfg)
+    return model, build_optimizer(model, cfg.optim, cfg.schedule.lr)
 
 
 def test_adamw8bit_lowers_loss_and_resumes_through_a_file(tmp_path):

@@ -150,7 +150,7 @@ def test_recurrent_every_piece_under_activation_checkpointing():
 def test_recurrent_muon_leaves_recurrence_extras_to_adamw():
     cfg = config_from_dict({"optim": {"name": "muon"}})
     m = CipherModel(recurrent(injection="lti", halting=True, loop_lora_rank=2))
-    names = muon_names(m, replace(cfg, model=m.cfg))
+    names = muon_names(m, cfg.optim.lr_mult)
     assert not [
         n for n in names if n.startswith(("recurrence.loop_lora", "recurrence.halt", "recurrence.inject.rate"))
     ], names

@@ -100,10 +100,13 @@ def test_role_groups_are_the_old_name_groups(case):
     cfg, model = built(*case)
 
     def groups(exclude=()):
-        return [(g["weight_decay"], g["lr_mult"], g["names"]) for g in param_groups(model, cfg, exclude=exclude)]
+        return [
+            (g["weight_decay"], g["lr_mult"], g["names"])
+            for g in param_groups(model, cfg.optim, cfg.schedule.lr, exclude=exclude)
+        ]
 
     assert groups() == old_groups(model, cfg)
-    hidden, stacked = muon_names(model, cfg), muon_names(model, cfg, ndim=3)
+    hidden, stacked = muon_names(model, cfg.optim.lr_mult), muon_names(model, cfg.optim.lr_mult, ndim=3)
     assert hidden == old_muon(model, cfg, 2) and stacked == old_muon(model, cfg, 3)
     for on_muon in (set(hidden), set(hidden + stacked)):  # MUON_EXPERTS off and on
         assert groups(on_muon) == old_groups(model, cfg, on_muon)

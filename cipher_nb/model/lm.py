@@ -89,7 +89,7 @@ class Block(nn.Module):
             aux, stats = {}, {}
         return x + h, aux, stats
 
-# %% ../../nbs/06_model.ipynb #446dc244
+# %% ../../nbs/06_model.ipynb #71cff089
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk):
@@ -120,7 +120,7 @@ class _FusedLinearCE(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         return gh * grad, gw * grad, None, None
 
-# %% ../../nbs/06_model.ipynb #71cff089
+
 def fused_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     "Mean cross-entropy of `h @ weight.T` against `labels` (-100 ignored), holding at most `chunk` rows of logits."
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)

@@ -21,7 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..callbacks import Callback
-from ..config.load import Config, MonitorConfig
+from ..config.load import ModelConfig, MonitorConfig
 from ..model.roles import param_roles
 from .metrics import mem_gb
 
@@ -454,16 +454,17 @@ def _device(model) -> torch.device:
 class MonitorCallback(Callback):
     "Trainer callback: stats-derived metrics into each log row, health warnings, evaluations for the overfit check."
 
-    def __init__(self, cfg: Config, warn: bool = True):
-        self.cfg, self.warn = cfg, warn
-        self.threats = ThreatMatrix(cfg.monitor, cfg.model.boundary.rate if cfg.model.boundary.enabled else None)
-        self.groups = list(cfg.optim.clip_groups)
+    def __init__(self, monitor: MonitorConfig, model: ModelConfig, log_every: int, groups=(), warn: bool = True):
+        "`groups`: the parameter roles whose gradient norms are logged (`optim.clip_groups`)."
+        self.log_every, self.top_k, self.warn = log_every, model.moe.top_k, warn
+        self.threats = ThreatMatrix(monitor, model.boundary.rate if model.boundary.enabled else None)
+        self.groups = list(groups)
         self.warnings = []  # every Threat issued, in order
         self._active = {"log": set(), "eval": set()}  # threat names seen at the last row of each kind
         self._norms = {}  # group gradient norms of the step being logged (device tensors)
 
     def after_backward(self, trainer):
-        if self.groups and (trainer.step + 1) % self.cfg.training.log_every == 0:
+        if self.groups and (trainer.step + 1) % self.log_every == 0:
             self._norms = group_grad_norms(trainer.model, self.groups)
 
     def on_log(self, trainer, metrics: dict):
@@ -472,7 +473,7 @@ class MonitorCallback(Callback):
         stats = (  # every micro-batch of the window; a trainer without them: the last micro-batch
             getattr(trainer, "window_stats", None) or getattr(getattr(trainer, "last_out", None), "stats", None) or {}
         )
-        for k, v in collect_metrics({**stats, **self._norms}, self.cfg.model.moe.top_k).items():
+        for k, v in collect_metrics({**stats, **self._norms}, self.top_k).items():
             metrics.setdefault(k, v)
         self._norms = {}
         if "mem_gb" not in metrics:

@@ -17,7 +17,7 @@ from typing import get_args
 import torch
 import torch.nn as nn
 
-from ..config.load import Config, OptimName, ScheduleConfig
+from ..config.load import OptimConfig, OptimName, ScheduleConfig
 from ..model.roles import param_roles
 from .precision import quiet_imports
 
@@ -30,17 +30,15 @@ def lr_multiplier(role: str, lr_mult: dict) -> float:
     return float(lr_mult.get(role, 1.0))
 
 
-def param_groups(model: nn.Module, cfg: Config, exclude: tuple = ()) -> list:
-    "AdamW groups, one per (weight decay, lr multiplier), with `lr_mult` and `names`; `exclude`: names left out."
+def param_groups(model: nn.Module, optim: OptimConfig, lr: float, exclude: tuple = ()) -> list:
+    "AdamW groups, one per (weight decay, lr multiplier), with `lr_mult` and `names`; `lr`: the peak (`schedule.lr`)."
     roles, groups = param_roles(model), {}
     for name, p in model.named_parameters():
         if not p.requires_grad or name in exclude:
             continue
-        decay = cfg.optim.decay_all or (p.ndim >= 2 and roles[name] not in NO_DECAY)
-        wd, mult = (cfg.optim.weight_decay if decay else 0.0), lr_multiplier(roles[name], cfg.optim.lr_mult)
-        g = groups.setdefault(
-            (wd, mult), dict(params=[], names=[], weight_decay=wd, lr_mult=mult, lr=cfg.schedule.lr * mult)
-        )
+        decay = optim.decay_all or (p.ndim >= 2 and roles[name] not in NO_DECAY)
+        wd, mult = (optim.weight_decay if decay else 0.0), lr_multiplier(roles[name], optim.lr_mult)
+        g = groups.setdefault((wd, mult), dict(params=[], names=[], weight_decay=wd, lr_mult=mult, lr=lr * mult))
         g["params"].append(p)
         g["names"].append(name)
     return list(groups.values())
@@ -49,21 +47,20 @@ def param_groups(model: nn.Module, cfg: Config, exclude: tuple = ()) -> list:
 OPTIMIZERS = get_args(OptimName)
 
 
-def adamw(groups: list, cfg: Config) -> torch.optim.AdamW:
-    "torch AdamW over `groups`: fused when every parameter is on one CPU or CUDA device type."
-    o, params = cfg.optim, [p for g in groups for p in g["params"]]
+def adamw(groups: list, optim: OptimConfig, lr: float) -> torch.optim.AdamW:
+    "torch AdamW over `groups` at peak rate `lr`: fused when every parameter is on one CPU or CUDA device type."
+    params = [p for g in groups for p in g["params"]]
     # fused on CUDA (torchao's weight wrappers unwrap for it too) and on CPU, where it beats the foreach kernel
     fused = bool(params) and len({p.device.type for p in params}) == 1 and params[0].device.type in ("cuda", "cpu")
-    kw = dict(lr=cfg.schedule.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=cfg.optim.weight_decay)
+    kw = dict(lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
     return torch.optim.AdamW(groups, fused=True if fused else None, **kw)
 
 
-def adamw8bit(groups: list, cfg: Config):
+def adamw8bit(groups: list, optim: OptimConfig, lr: float):
     "8-bit AdamW over `groups`: torchao's for DTensor (FSDP2) parameters, else bitsandbytes' (torchao's without it)."
     from torch.distributed.tensor import DTensor
 
-    o = cfg.optim
-    kw = dict(lr=cfg.schedule.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=cfg.optim.weight_decay)
+    kw = dict(lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
     sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
     with quiet_imports():
         if not sharded:
@@ -84,15 +81,14 @@ def adamw8bit(groups: list, cfg: Config):
     return AdamW8bit(groups, **kw)
 
 
-def build_optimizer(model: nn.Module, cfg: Config):
-    "AdamW (`optim.name='adamw'`), 8-bit AdamW (`'adamw8bit'`) or `MuonAdamW` (`'muon'`) over the groups."
-    o = cfg.optim
-    if o.name not in OPTIMIZERS:
-        raise ValueError(f"optim.name = '{o.name}' unknown: choose one of {', '.join(OPTIMIZERS)}")
-    if o.name == "muon":
-        return build_muon(model, cfg)
-    groups = param_groups(model, cfg)
-    return adamw8bit(groups, cfg) if o.name == "adamw8bit" else adamw(groups, cfg)
+def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float):
+    "AdamW (`optim.name='adamw'`), 8-bit AdamW (`'adamw8bit'`) or `MuonAdamW` (`'muon'`); `lr`: `schedule.lr`."
+    if optim.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name = '{optim.name}' unknown: choose one of {', '.join(OPTIMIZERS)}")
+    if optim.name == "muon":
+        return build_muon(model, optim, lr)
+    groups = param_groups(model, optim, lr)
+    return adamw8bit(groups, optim, lr) if optim.name == "adamw8bit" else adamw(groups, optim, lr)
 
 
 def optimizer_kind(opt) -> str:
@@ -113,7 +109,7 @@ MUON_ROLES = ("hidden", "shared_expert", "routed_expert")  # roles whose matrice
 MUON_EXPERTS = False  # True: Muon (one matrix per expert) for the routed experts' 3-D weights; False: AdamW
 
 
-def muon_names(model: nn.Module, cfg: Config, ndim: int = 2) -> list:
+def muon_names(model: nn.Module, lr_mult: dict, ndim: int = 2) -> list:
     "Names of the `ndim`-D trainable weights Muon trains: of a role in `MUON_ROLES` without an `lr_mult` of its own."
     roles = param_roles(model)
     return [
@@ -122,7 +118,7 @@ def muon_names(model: nn.Module, cfg: Config, ndim: int = 2) -> list:
         if p.requires_grad
         and p.ndim == ndim
         and roles[n] in MUON_ROLES
-        and lr_multiplier(roles[n], cfg.optim.lr_mult) == 1.0
+        and lr_multiplier(roles[n], lr_mult) == 1.0  # `optim.lr_mult`
     ]
 
 # %% ../../nbs/08a_optim.ipynb #a1e7c0d2
@@ -215,13 +211,13 @@ class MuonAdamW:
             k, n = k + len(gs), n + m
 
 # %% ../../nbs/08a_optim.ipynb #95cddf03
-def build_muon(model: nn.Module, cfg: Config, experts: bool | None = None) -> MuonAdamW:
+def build_muon(model: nn.Module, optim: OptimConfig, lr: float, experts: bool | None = None) -> MuonAdamW:
     "Muon over `muon_names` (and the experts' 3-D weights when `experts`, default `MUON_EXPERTS`), AdamW for the rest."
     from torch.distributed.tensor import DTensor
 
     named = dict(model.named_parameters())
-    names, lr, o = muon_names(model, cfg), cfg.schedule.lr, cfg.optim
-    stacked = muon_names(model, cfg, ndim=3) if (MUON_EXPERTS if experts is None else experts) else []
+    names, o = muon_names(model, optim.lr_mult), optim
+    stacked = muon_names(model, optim.lr_mult, ndim=3) if (MUON_EXPERTS if experts is None else experts) else []
     sharded = [n for n in names + stacked if isinstance(named[n], DTensor)]
     if sharded:
         raise ValueError(
@@ -236,7 +232,8 @@ def build_muon(model: nn.Module, cfg: Config, experts: bool | None = None) -> Mu
     muon = torch.optim.Muon([group(names)], lr=o.muon_lr, momentum=o.muon_momentum)
     same = {k: v for k, v in muon.defaults.items() if k != "adjust_lr_fn"}  # torch's Muon hyperparameters
     expert_muon = ExpertMuon([group(stacked)], **same) if stacked else None
-    return MuonAdamW(muon, adamw(param_groups(model, cfg, exclude=set(names + stacked)), cfg), expert_muon)
+    rest = adamw(param_groups(model, optim, lr, exclude=set(names + stacked)), optim, lr)
+    return MuonAdamW(muon, rest, expert_muon)
 
 # %% ../../nbs/08a_optim.ipynb #4f95a5b8
 class OptimizerResetWarning(UserWarning):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..config.load import Config, ConfigError
+from ..config.load import ConfigError, TrainConfig
 from ..core import DistEnv
 from ..model.lm import attention_kernels_used
 from ..model.moe import moe_kernels_used
@@ -144,22 +144,23 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 # %% ../../nbs/08b_parallel.ipynb #d635fb3d
-def parallelize(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, dtype=torch.float32) -> tuple:
-    "AC, compile, then FSDP2 / DDP, as `cfg.training` asks: (the model to train, what was done, for the record)."
-    t = cfg.training
-    if t.cpu_offload and not (env.distributed and t.parallel == "fsdp"):
+def parallelize(
+    model: nn.Module, training: TrainConfig, env: DistEnv, device: torch.device, dtype=torch.float32
+) -> tuple:
+    "AC, compile, then FSDP2 / DDP, as `training` asks: (the model to train, what was done, for the record)."
+    if training.cpu_offload and not (env.distributed and training.parallel == "fsdp"):
         raise ConfigError(
             "training.cpu_offload offloads FSDP2 shards: set training.parallel=fsdp and run under torchrun"
         )
-    apply_ac(model, t.activation_checkpoint)
-    compiled = apply_compile(model) if t.compile else False
-    info = {"compiled": compiled, "activation_checkpoint": t.activation_checkpoint}
+    apply_ac(model, training.activation_checkpoint)
+    compiled = apply_compile(model) if training.compile else False
+    info = {"compiled": compiled, "activation_checkpoint": training.activation_checkpoint}
     if not env.distributed:
         return model, info
-    if t.parallel == "fsdp":
+    if training.parallel == "fsdp":
         info["fsdp_param_dtype"] = str(fsdp_policy(dtype).param_dtype or "float32").removeprefix("torch.")
-        info["cpu_offload"] = t.cpu_offload
-        return apply_fsdp(model, dtype, offload=t.cpu_offload), info
+        info["cpu_offload"] = training.cpu_offload
+        return apply_fsdp(model, dtype, offload=training.cpu_offload), info
     return apply_ddp(model, device), info
 
 # %% ../../nbs/08b_parallel.ipynb #b35ad7bf

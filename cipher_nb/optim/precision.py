@@ -56,7 +56,7 @@ def probe_device(device=None) -> DeviceCaps:
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
     return DeviceCaps(True, tuple(torch.cuda.get_device_capability(device)), bf16, torch.cuda.get_device_name(device))
 
-# %% ../../nbs/08_precision.ipynb #73424795
+# %% ../../nbs/08_precision.ipynb #0f56dada
 @dataclass
 class LibCaps:
     "Which low-precision training paths the installed libraries offer, and why each missing one is missing."
@@ -77,7 +77,7 @@ _LIB_PROBES = dict(
     triton=("triton", ""),
 )
 
-# %% ../../nbs/08_precision.ipynb #0f56dada
+
 @contextlib.contextmanager
 def quiet_imports(*names):
     "Mute import-time log warnings of torchao / bitsandbytes / torch about optional kernels they cannot load."

@@ -195,8 +195,8 @@ def build_trainer(
         if choice.mode in ("fp8", "mxfp8", "nvfp4")
         else {}
     )
-    wrapped, parallel_info = parallelize(model, cfg, env, device, choice.dtype)
-    optimizer = build_optimizer(wrapped, cfg)
+    wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)
+    optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
     loader, heldout = hooks.data(cfg, env.rank, env.world_size)
     if not heldout and env.is_main:
         print(NO_HELDOUT, file=sys.stderr)
@@ -227,8 +227,13 @@ def build_trainer(
         env=env,
         dtype=choice.dtype,
         scaler=torch.amp.GradScaler(device.type) if choice.scaler else None,
+<<<<<<< HEAD
         curriculum=Curriculum(cfg.data, cfg.schedule),
         monitor=MonitorCallback(cfg),
+=======
+        curriculum=Curriculum(cfg),
+        monitor=MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups),
+>>>>>>> shape-model
         eval_fn=heldout_eval(lengths) if heldout else None,
         heldout=heldout,
         record=record,
