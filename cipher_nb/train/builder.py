@@ -227,13 +227,8 @@ def build_trainer(
         env=env,
         dtype=choice.dtype,
         scaler=torch.amp.GradScaler(device.type) if choice.scaler else None,
-<<<<<<< HEAD
         curriculum=Curriculum(cfg.data, cfg.schedule),
-        monitor=MonitorCallback(cfg),
-=======
-        curriculum=Curriculum(cfg),
         monitor=MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups),
->>>>>>> shape-model
         eval_fn=heldout_eval(lengths) if heldout else None,
         heldout=heldout,
         record=record,
