@@ -31,7 +31,7 @@ CONFIGS = {
 def ids_per_second(model, prompt, new: int, cache: bool) -> tuple:
     "(ids/s, the ids) of one seeded sample of `new` ids after `prompt` (no stop id)."
     t0 = time.perf_counter()
-    out = sample_ids(model, prompt, new, temperature=1.0, stop=(), seed=0, cache=cache)
+    out = sample_ids(model, prompt, max_new=new, temperature=1.0, stop=(), seed=0, cache=cache)
     return len(out) / (time.perf_counter() - t0), out
 
 
@@ -46,8 +46,8 @@ def main():
         torch.manual_seed(0)
         model = CipherModel(model_config(**kw)).eval()
         prompt = np.random.default_rng(0).integers(0, 256, args.prompt)
-        sample_ids(model, prompt, 8, stop=(), seed=0)  # warm up both paths
-        sample_ids(model, prompt, 2, stop=(), seed=0, cache=False)
+        sample_ids(model, prompt, max_new=8, stop=(), seed=0)  # warm up both paths
+        sample_ids(model, prompt, max_new=2, stop=(), seed=0, cache=False)
         fast, a = ids_per_second(model, prompt, args.new, True)
         slow, b = ids_per_second(model, prompt, args.new, False)
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))

@@ -111,17 +111,17 @@ def test_batched_generation_equals_one_prompt_at_a_time(mode):
     prompts = ["def f(x):", "import os\nimport sys", "#"]
     ids = [prompt_ids(p, codec) for p in prompts]
     for kw in (dict(temperature=0), dict(temperature=1.0, top_k=20, top_p=0.9)):
-        batch = sample_batch(m, ids, 20, seed=[3, 4, 5], **kw)
-        assert batch == [sample_ids(m, i, 20, seed=s, **kw) for i, s in zip(ids, (3, 4, 5))]
-        assert batch == sample_batch(m, ids, 20, seed=[3, 4, 5], cache=False, **kw)  # the uncached reference
-    assert generate_batch(m, codec, prompts, 12, seed=7) == [
-        generate(m, codec, p, 12, seed=7 + b) for b, p in enumerate(prompts)
+        batch = sample_batch(m, ids, max_new=20, seed=[3, 4, 5], **kw)
+        assert batch == [sample_ids(m, i, max_new=20, seed=s, **kw) for i, s in zip(ids, (3, 4, 5))]
+        assert batch == sample_batch(m, ids, max_new=20, seed=[3, 4, 5], cache=False, **kw)  # the uncached reference
+    assert generate_batch(m, codec, prompts, max_new=12, seed=7) == [
+        generate(m, codec, p, max_new=12, seed=7 + b) for b, p in enumerate(prompts)
     ]
 
 
 def test_greedy_generation_is_deterministic():
     m, codec = build(**MODES["moe"]), ByteCodec()
-    runs = {generate(m, codec, "def main():", 40, temperature=0, stop=()) for _ in range(3)}
+    runs = {generate(m, codec, "def main():", max_new=40, temperature=0, stop=()) for _ in range(3)}
     assert len(runs) == 1 and len(next(iter(runs))) > 0
 
 
@@ -140,7 +140,7 @@ def test_models_the_cache_cannot_serve_fall_back_to_the_exact_recompute():
     assert not can_cache(m) and can_cache(build())
     with pytest.raises(ValueError, match="cannot generate through a KV cache"):
         m.new_cache(1, 8)
-    assert generate(m, codec, "def ", 10, seed=1) == generate(m, codec, "def ", 10, seed=1, cache=False)
+    assert generate(m, codec, "def ", max_new=10, seed=1) == generate(m, codec, "def ", max_new=10, seed=1, cache=False)
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 12])

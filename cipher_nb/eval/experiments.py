@@ -47,23 +47,23 @@ def run_request(cfg: Config) -> dict:
     return dict(config_hash=config_hash(cfg), init=checkpoint_hash(cfg.stage.init) if cfg.stage.init else None)
 
 
-def finished_run(run_dir, cfg: Config) -> bool:
-    "Whether `run_dir` holds a finished run of `cfg`: complete export, same config hash, same --init weights."
+def finished_run(run_dir, request: dict) -> bool:
+    "Whether `run_dir` holds a finished run of `request` (a `run_request`): a complete export and the same marker."
     run_dir = Path(run_dir)
     m = run_dir / _MARKER
     if not (m.is_file() and ck.is_complete(run_dir / "final")):
         return False
     try:
-        return json.loads(m.read_text()) == run_request(cfg)
+        return json.loads(m.read_text()) == request
     except (ValueError, ck.CheckpointError):
         return False
 
 # %% ../../nbs/12a_experiments.ipynb #08cabcfc
 def run_once(cfg: Config, run_dir, callbacks=(), progress: bool = False, command=None, overwrite: bool = False) -> Path:
     "Train `cfg` into `run_dir` (in process, or `command` as a subprocess) unless it already holds this finished run."
-    run_dir = Path(run_dir)
+    run_dir, request = Path(run_dir), run_request(cfg)
     with RunLock(run_dir, wait=True):
-        if finished_run(run_dir, cfg):
+        if finished_run(run_dir, request):
             print(f"{run_dir}: a finished run of this config is there: reused (overwrite=True trains it again)")
             for cb in callbacks:  # a dashboard shows the finished run instead of a live one
                 if hasattr(cb, "on_reuse"):
@@ -76,7 +76,7 @@ def run_once(cfg: Config, run_dir, callbacks=(), progress: bool = False, command
             r = subprocess.run(command, capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(f"{' '.join(map(str, command))} failed ({r.returncode}):\n{r.stderr[-2000:]}")
-        ck.write_json_atomic(run_dir / _MARKER, run_request(cfg))
+        ck.write_json_atomic(run_dir / _MARKER, request)
     return run_dir
 
 
@@ -147,11 +147,12 @@ def run_ablation(
     overwrite=False,
 ) -> dict:
     "Train each variant (overrides on top of `config` and `overrides`) into ROOT/<variant_name>; {name: run_dir}."
+    names = [variant_name(v) for v in grid]
+    if len(set(names)) < len(names):  # refused before any variant trains
+        clash = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"two variants share the folder name '{clash}': make their values differ")
     runs = {}
-    for variant in grid:
-        name = variant_name(variant)
-        if name in runs:
-            raise ValueError(f"two variants share the folder name '{name}': make their values differ")
+    for name, variant in zip(names, grid):
         run_dir = Path(root) / name
         cfg = load_config(config, [*overrides, *variant])
         cmd = None

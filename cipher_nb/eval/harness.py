@@ -6,12 +6,13 @@ Docs: https://cipher-nb.github.io/cipher_nb/evaluate.html.md"""
 
 # %% auto #0
 __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuations', 'load_mc', 'multiple_choice', 'filter_probs',
-           'prompt_ids', 'can_cache', 'left_pad', 'stream_batch', 'sample_batch', 'sample_ids', 'generate',
-           'generate_batch', 'stream_text', 'load_model', 'cipher_eval']
+           'Sampling', 'sampling_of', 'prompt_ids', 'can_cache', 'left_pad', 'stream_batch', 'sample_batch',
+           'sample_ids', 'generate', 'generate_batch', 'stream_text', 'load_model', 'cipher_eval']
 
 # %% ../../nbs/12_evaluate.ipynb #d7db4f55
 import json
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +183,26 @@ def filter_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
+# %% ../../nbs/12_evaluate.ipynb #f3822c2a
+@dataclass(frozen=True)
+class Sampling:
+    "How new ids are drawn: the options every sampler of this module shares."
+
+    max_new: int = 128  # most ids to draw per prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # keep the k most likely ids; 0 = all
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = all
+    stop: tuple = None  # ids that end a row (not returned); None: EOT and EOS for text, none for ids
+    seed: int = None  # row b draws from seed + b (or seed[b] for a list); None: torch's global generator
+    bp_mode: str = None  # a boundary model's mode (None: its own)
+    context: int = None  # re-read only the last `context` ids each step (no KV cache)
+    cache: bool = True  # generate through a KV cache where the model allows one
+
+
+def sampling_of(sampling: Sampling = None, **opts) -> Sampling:
+    "`sampling` (the defaults when None) with the fields named in `opts` replaced."
+    return replace(sampling or Sampling(), **opts)
+
 # %% ../../nbs/12_evaluate.ipynb #926c17e0
 def prompt_ids(prompt, codec, template: ChatTemplate = None) -> np.ndarray:
     "The ids a prompt starts generation from: BOS + text, or a conversation ending with an open assistant turn."
@@ -205,7 +226,7 @@ def left_pad(rows, pad_id: int, device=None) -> tuple:
         x[b, L - len(r) :] = torch.as_tensor(np.asarray(r), dtype=torch.long)
     return x.to(device), torch.tensor([L - len(r) for r in rows], device=device)
 
-# %% ../../nbs/12_evaluate.ipynb #0b64b93b
+# %% ../../nbs/12_evaluate.ipynb #d54e20b5
 def _generators(seed, B: int, device) -> list:
     if seed is None:
         return [None] * B
@@ -213,9 +234,9 @@ def _generators(seed, B: int, device) -> list:
     return [torch.Generator(device).manual_seed(int(s)) for s in seeds]
 
 
-def _draw(logits, gens, temperature, top_k, top_p) -> list:
+def _draw(logits, gens, s: Sampling) -> list:
     "One id per row of `logits` [B, V], row b from generator `gens[b]`."
-    probs = filter_probs(logits, temperature, top_k, top_p)
+    probs = filter_probs(logits, s.temperature, s.top_k, s.top_p)
     return [int(torch.multinomial(probs[b], 1, generator=g)) for b, g in enumerate(gens)]
 
 
@@ -223,38 +244,28 @@ def _uncached_logits(model, rows, context, kw) -> torch.Tensor:
     "Last-position logits [B, V]: one forward of each row's whole sequence (or its last `context` ids)."
     return torch.cat([model(input_ids=r[None, -context:] if context else r[None], **kw).logits[:, -1] for r in rows])
 
-# %% ../../nbs/12_evaluate.ipynb #1537fafb
+
 @torch.no_grad()
-def stream_batch(
-    model: nn.Module,
-    prompts,
-    max_new: int = 128,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop=(),
-    seed=None,
-    bp_mode: str = None,
-    context: int = None,
-    cache: bool = True,
-):
-    "Yield each step's new ids, one per prompt (None once a row has drawn a `stop` id), until all stop or `max_new`."
+def stream_batch(model: nn.Module, prompts, sampling: Sampling = None, **opts):
+    "Yield each step's new ids, one per prompt (None once a row has drawn a stop id), until all stop or `max_new`."
+    s = sampling_of(sampling, **opts)
+    stop = s.stop or ()
     device = next(model.parameters()).device
-    kw, B = _bp_kwargs(model, bp_mode), len(prompts)
-    gens, done = _generators(seed, B, device), [False] * B
+    kw, B = _bp_kwargs(model, s.bp_mode), len(prompts)
+    gens, done = _generators(s.seed, B, device), [False] * B
     rows = [torch.as_tensor(np.asarray(p), dtype=torch.long, device=device) for p in prompts]
-    cached = cache and context is None and can_cache(model)
+    cached = s.cache and s.context is None and can_cache(model)
     was = model.training
     model.eval()
     try:
         if cached:
             x, pad = left_pad(rows, 0, device)
-            kv = model.new_cache(B, x.shape[1] + max_new, pad)
+            kv = model.new_cache(B, x.shape[1] + s.max_new, pad)
             logits = model.step(x, kv)[:, -1]
-        for _ in range(max_new):
+        for _ in range(s.max_new):
             if not cached:
-                logits = _uncached_logits(model, rows, context, kw)
-            nxt = _draw(logits, gens, temperature, top_k, top_p)
+                logits = _uncached_logits(model, rows, s.context, kw)
+            nxt = _draw(logits, gens, s)
             done = [d or n in stop for d, n in zip(done, nxt)]
             yield [None if d else n for d, n in zip(done, nxt)]
             if all(done):
@@ -266,112 +277,52 @@ def stream_batch(
                 try:
                     logits = model.step(new, kv)[:, -1]
                 except CacheMiss:  # a recurrent core needs a loop no position cached: recompute the context
-                    kv = model.new_cache(B, x.shape[1] + max_new, pad)
+                    kv = model.new_cache(B, x.shape[1] + s.max_new, pad)
                     logits = model.step(x, kv)[:, -1]
     finally:
         model.train(was)
 
-# %% ../../nbs/12_evaluate.ipynb #da5a8292
-def sample_batch(
-    model: nn.Module,
-    prompts,
-    max_new: int = 128,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop=(),
-    seed=None,
-    bp_mode: str = None,
-    context: int = None,
-    cache: bool = True,
-) -> list:
-    "New ids after each prompt (a list per prompt), each up to its first `stop` id (not returned) or `max_new`."
+# %% ../../nbs/12_evaluate.ipynb #95d40f43
+def sample_batch(model: nn.Module, prompts, sampling: Sampling = None, **opts) -> list:
+    "New ids after each prompt (a list per prompt), each up to its first stop id (not returned) or `max_new`."
     out = [[] for _ in prompts]
-    for step in stream_batch(model, prompts, max_new, temperature, top_k, top_p, stop, seed, bp_mode, context, cache):
+    for step in stream_batch(model, prompts, sampling, **opts):
         for o, n in zip(out, step):
             if n is not None:
                 o.append(n)
     return out
 
 
-def sample_ids(
-    model: nn.Module,
-    ids,
-    max_new: int = 128,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop=(),
-    seed: int = None,
-    bp_mode: str = None,
-    context: int = None,
-    cache: bool = True,
-) -> list:
-    "New ids after `ids`, drawn one at a time until a `stop` id (not returned) or `max_new`."
-    return sample_batch(model, [ids], max_new, temperature, top_k, top_p, stop, seed, bp_mode, context, cache)[0]
+def sample_ids(model: nn.Module, ids, sampling: Sampling = None, **opts) -> list:
+    "New ids after `ids`, drawn one at a time until a stop id (not returned) or `max_new`."
+    return sample_batch(model, [ids], sampling, **opts)[0]
+
+# %% ../../nbs/12_evaluate.ipynb #2c208236
+def _text_sampling(codec, sampling: Sampling, opts: dict) -> Sampling:
+    "The options for text: a `stop` left at None ends a row at the codec's end of turn or end of text."
+    s = sampling_of(sampling, **opts)
+    return s if s.stop is not None else replace(s, stop=(codec.eot, codec.eos))
 
 
-def generate(
-    model: nn.Module,
-    codec,
-    prompt,
-    max_new: int = 128,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = None,
-    stop=None,
-    bp_mode: str = None,
-    template: ChatTemplate = None,
-    context: int = None,
-    cache: bool = True,
-) -> str:
+def generate(model: nn.Module, codec, prompt, sampling: Sampling = None, template: ChatTemplate = None, **opts) -> str:
     "Text sampled after `prompt` (text or a conversation) from a byte or token model."
-    return generate_batch(
-        model, codec, [prompt], max_new, temperature, top_k, top_p, seed, stop, bp_mode, template, context, cache
-    )[0]
+    return generate_batch(model, codec, [prompt], sampling, template, **opts)[0]
 
 
 def generate_batch(
-    model: nn.Module,
-    codec,
-    prompts: list,
-    max_new: int = 128,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed=None,
-    stop=None,
-    bp_mode: str = None,
-    template: ChatTemplate = None,
-    context: int = None,
-    cache: bool = True,
+    model: nn.Module, codec, prompts: list, sampling: Sampling = None, template: ChatTemplate = None, **opts
 ) -> list:
     "Texts sampled after each of `prompts` together (row b seeded `seed + b`)."
-    stop = (codec.eot, codec.eos) if stop is None else tuple(stop)
     ids = [prompt_ids(p, codec, template) for p in prompts]
-    new = sample_batch(model, ids, max_new, temperature, top_k, top_p, stop, seed, bp_mode, context, cache)
+    new = sample_batch(model, ids, _text_sampling(codec, sampling, opts))
     return [codec.decode(n) for n in new]
 
 
-def stream_text(
-    model: nn.Module,
-    codec,
-    prompt,
-    max_new: int = 128,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = None,
-    stop=None,
-    bp_mode: str = None,
-    template: ChatTemplate = None,
-):
+def stream_text(model: nn.Module, codec, prompt, sampling: Sampling = None, template: ChatTemplate = None, **opts):
     "Yield the text sampled after `prompt` piece by piece as it is drawn (a byte that ends a UTF-8 character at once)."
-    stop = (codec.eot, codec.eos) if stop is None else tuple(stop)
     ids, shown = [], ""
     ctx = prompt_ids(prompt, codec, template)
-    for (n,) in stream_batch(model, [ctx], max_new, temperature, top_k, top_p, stop, seed, bp_mode):
+    for (n,) in stream_batch(model, [ctx], _text_sampling(codec, sampling, opts)):
         if n is None:
             return
         ids.append(n)
@@ -437,16 +388,8 @@ def cipher_eval(
                 f"multiple choice ({Path(mc).name}, {r['n']} items): acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f}"
             )
         if prompt is not None:
-            res["sample"] = generate(
-                model,
-                codec,
-                [dict(role="user", content=prompt)] if chat else prompt,
-                max_new,
-                temperature,
-                top_k,
-                top_p,
-                seed,
-            )
+            opts = Sampling(max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+            res["sample"] = generate(model, codec, [dict(role="user", content=prompt)] if chat else prompt, opts)
             print(f"sample: {res['sample']!r}")
     except DataError as e:
         raise CliError(f"cipher-eval: {e}") from None

@@ -19,7 +19,7 @@ from fastcore.basics import patch
 from matplotlib.figure import Figure
 
 from ..callbacks import Callback
-from ..config.load import Config
+from ..config.load import ModelConfig, MonitorConfig
 from ..eval.experiments import is_number
 from cipher_nb.viz.plots import (
     LOAD_KEY,
@@ -32,7 +32,7 @@ from cipher_nb.viz.plots import (
     save_png,
 )
 
-# %% ../../nbs/13a_dashboard.ipynb #8c271209
+# %% ../../nbs/13a_dashboard.ipynb #e91e341d
 def in_jupyter() -> bool:
     "True inside a live Jupyter kernel (where widgets render); False in a terminal, a script or `nbdev-test`."
     try:
@@ -42,9 +42,9 @@ def in_jupyter() -> bool:
     ip = get_ipython()
     return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
 
-
-def plot_latest_load(rows: list, ax, cfg: Config = None):
-    "Per-expert load of every MoE layer at the latest row that has it (layers x experts)."
+# %% ../../nbs/13a_dashboard.ipynb #4badce04
+def plot_latest_load(rows: list, ax, limit: float = None):
+    "Per-expert load of every MoE layer at the latest row that has it (layers x experts), scaled up to `limit`."
     ax.set_title("expert load (latest)")
     last = next((r for r in reversed(rows) if any(LOAD_KEY.fullmatch(k) for k in r)), None)
     if last is None:
@@ -53,12 +53,12 @@ def plot_latest_load(rows: list, ax, cfg: Config = None):
     n = 1 + max(int(m.group(2)) for k in last if (m := LOAD_KEY.fullmatch(k)))
     grid = np.array([[last.get(f"router/layer{i}_load_{e}", np.nan) for e in range(n)] for i in layers], dtype=float)
     im = ax.imshow(
-        grid, aspect="auto", origin="lower", interpolation="nearest", cmap="RdBu_r", norm=load_norm(grid, cfg)
+        grid, aspect="auto", origin="lower", interpolation="nearest", cmap="RdBu_r", norm=load_norm(grid, limit)
     )
     ax.set(xlabel=f"expert (step {last.get('step')})", ylabel="layer", yticks=range(len(layers)), yticklabels=layers)
     ax.figure.colorbar(im, ax=ax, label="load / mean")
 
-
+# %% ../../nbs/13a_dashboard.ipynb #8a21fb4f
 def panel_chars(ax, fontsize: float) -> int:
     "About how many characters of `fontsize` points fit across the grid cells `ax` spans."
     ss = ax.get_subplotspec()
@@ -80,7 +80,7 @@ def plot_warnings(threats, ax, n: int = 4, width: int = None, fontsize: float = 
     lines = [w for t in threats[-n:] for w in textwrap.wrap(f"step {t.step}: {t.name}: {t.message}", **wrap)[:3]]
     ax.text(0, 1, "\n".join(lines), va="top", fontsize=fontsize, color="tab:red", transform=ax.transAxes)
 
-# %% ../../nbs/13a_dashboard.ipynb #c9d36773
+# %% ../../nbs/13a_dashboard.ipynb #d5f99cd8
 def status_line(rows: list, max_steps: int = None, eta_s: float = None, step: int = None) -> str:
     "One line: step (the last row's, or `step`), last training and held-out loss, throughput, time left."
     parts = []
@@ -99,25 +99,32 @@ def status_line(rows: list, max_steps: int = None, eta_s: float = None, step: in
         parts.append(f"{int(eta_s) // 60}m{int(eta_s) % 60:02d}s left")
     return " | ".join(parts)
 
-
-def has_experts(rows: list, cfg: Config = None) -> bool:
-    "Whether there is an expert load to show: logged already, or a config with MoE layers that will log it."
+# %% ../../nbs/13a_dashboard.ipynb #be2099b9
+def has_experts(rows: list, model: ModelConfig = None) -> bool:
+    "Whether there is an expert load to show: logged already, or a `model` with MoE layers that will log it."
     if any(LOAD_KEY.fullmatch(k) for r in rows for k in r):
         return True
-    if cfg is not None:
-        return cfg.model.moe.n_routed > 0 and cfg.model.n_layers > cfg.model.moe.n_dense_layers
+    if model is not None:
+        return model.moe.n_routed > 0 and model.n_layers > model.moe.n_dense_layers
     return not any("loss" in r for r in rows)  # no config: wait for the first training row
 
-
-def dashboard_figure(rows: list, threats=(), cfg: Config = None, title: str = "") -> Figure:
+# %% ../../nbs/13a_dashboard.ipynb #ee546794
+def dashboard_figure(
+    rows: list,
+    threats=(),
+    model: ModelConfig = None,
+    monitor: MonitorConfig = None,
+    sft: bool = False,
+    title: str = "",
+) -> Figure:
     "The dashboard: loss, throughput, the latest expert load (MoE models), the warnings (full width without MoE)."
-    moe = has_experts(rows, cfg)
+    moe = has_experts(rows, model)
     fig = PngFigure(figsize=(10.4, 5.6), layout="constrained")
     gs = fig.add_gridspec(2, 2)
-    plot_loss(rows, fig.add_subplot(gs[0, 0]), cfg)
-    plot_throughput(rows, fig.add_subplot(gs[0, 1]), cfg)
+    plot_loss(rows, fig.add_subplot(gs[0, 0]), sft)
+    plot_throughput(rows, fig.add_subplot(gs[0, 1]))
     if moe:
-        plot_latest_load(rows, fig.add_subplot(gs[1, 0]), cfg)
+        plot_latest_load(rows, fig.add_subplot(gs[1, 0]), getattr(monitor, "max_load_ratio", None))
     plot_warnings(None if threats is None else list(threats), fig.add_subplot(gs[1, 1] if moe else gs[1, :]))
     if title:
         fig.suptitle(title, fontsize=10)
@@ -215,12 +222,13 @@ def _show(self: LiveDashboard, fig, status: str, final: bool = False):
 def update(self: LiveDashboard, trainer, final: bool = False):
     "Redraw now (only the status when no row came since the last redraw): the widget in Jupyter, else the PNG."
     t0 = self.clock()
-    cfg = getattr(trainer, "cfg", None)
+    cfg = getattr(trainer, "cfg", None)  # a stand-in trainer may have none
     eta = self.eta(trainer) if cfg else None
     status = status_line(self.rows, cfg.schedule.max_steps if cfg else None, eta, getattr(trainer, "step", None))
     fig = None
     if final or len(self.rows) != self._drawn:
-        fig = dashboard_figure(self.rows, self.warnings(trainer), cfg, "" if self.widget else status)
+        sections = dict(model=cfg.model, monitor=cfg.monitor, sft=cfg.stage.name == "sft") if cfg else {}
+        fig = dashboard_figure(self.rows, self.warnings(trainer), title="" if self.widget else status, **sections)
         self._drawn = len(self.rows)
         self.draws += 1
     if self.widget:
@@ -238,7 +246,7 @@ def on_reuse(self: LiveDashboard, run_dir):
     rows, cfg = load_run(run_dir)
     self.rows, self._drawn = rows, len(rows)
     status = f"{Path(run_dir)}: finished run reused | " + status_line(rows, cfg.schedule.max_steps)
-    fig = dashboard_figure(rows, None, cfg, "" if self.widget else status)
+    fig = dashboard_figure(rows, None, cfg.model, cfg.monitor, cfg.stage.name == "sft", "" if self.widget else status)
     self.draws += 1
     if self.widget:
         self._show(fig, status, final=True)

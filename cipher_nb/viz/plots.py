@@ -32,7 +32,17 @@ from matplotlib.ticker import MaxNLocator
 
 import cipher_nb.persist.files as ck
 from ..cli import command
-from ..config.load import Config, ConfigError, config_from_dict, load_config
+from cipher_nb.config.load import (
+    Config,
+    ConfigError,
+    DataConfig,
+    MoEConfig,
+    MonitorConfig,
+    OptimConfig,
+    ScheduleConfig,
+    config_from_dict,
+    load_config,
+)
 from ..data.codecs import ByteCodec
 from ..data.curriculum import Curriculum
 from ..eval.experiments import ablation_grid as ablation_grid
@@ -94,7 +104,7 @@ def expert_load_matrix(rows: list, layer: int) -> tuple:
     ).reshape(n, len(keep))
     return np.array([r["step"] for r in keep], dtype=float), loads
 
-# %% ../../nbs/13_viz.ipynb #887ab44c
+# %% ../../nbs/13_viz.ipynb #484752e1
 def note_panel(ax, text: str):
     "A panel that explains why it has nothing to show."
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.35", wrap=True)
@@ -105,13 +115,12 @@ def note_panel(ax, text: str):
 def _hline(ax, y: float, label: str, color="0.4"):
     ax.axhline(y, color=color, ls=":", lw=1, label=label)
 
-
-def plot_loss(rows: list, ax, cfg: Config = None):
-    "Training loss (the LM part when logged) and held-out loss against the step."
+# %% ../../nbs/13_viz.ipynb #c6a8273e
+def plot_loss(rows: list, ax, sft: bool = False):
+    "Training loss (the LM part when logged; `sft`: on the assistant's tokens) and held-out loss against the step."
     key = "loss/lm" if len(metric(rows, "loss/lm")[0]) else "loss"
     s, v = metric(rows, key)
     if len(s):
-        sft = cfg is not None and cfg.stage.name == "sft"  # SFT's loss falls on the assistant's answers only
         ax.plot(s, v, label="train" + (" (assistant tokens)" if sft else " (LM)" if key == "loss/lm" else ""))
     s, v = metric(rows, "val/loss")
     if len(s):
@@ -122,14 +131,13 @@ def plot_loss(rows: list, ax, cfg: Config = None):
     else:
         note_panel(ax, "no loss logged yet")
 
-
-def plot_lr(rows: list, ax, cfg: Config = None):
-    "The logged learning rate on top of the planned schedule (`lr_at`)."
-    if cfg is not None:
-        plan = cfg.schedule
+# %% ../../nbs/13_viz.ipynb #1881ca29
+def plot_lr(rows: list, ax, schedule: ScheduleConfig = None):
+    "The logged learning rate on top of the planned `schedule` (`lr_at`; none drawn without it)."
+    if schedule is not None:
         ax.plot(
-            np.arange(1, plan.max_steps + 1),
-            [lr_at(k, plan) for k in range(plan.max_steps)],
+            np.arange(1, schedule.max_steps + 1),
+            [lr_at(k, schedule) for k in range(schedule.max_steps)],
             color="0.75",
             lw=2,
             label="schedule",
@@ -143,9 +151,9 @@ def plot_lr(rows: list, ax, cfg: Config = None):
     else:
         note_panel(ax, "no lr logged yet")
 
-
-def plot_grad_norm(rows: list, ax, cfg: Config = None):
-    "The gradient norm before clipping, per-group norms, the clip and the gate's limit (log scale)."
+# %% ../../nbs/13_viz.ipynb #b8b4fa29
+def plot_grad_norm(rows: list, ax, clip: float = None, gate: float = None):
+    "The gradient norm before clipping, per-group norms, the `clip` and the `gate`'s limit when given (log scale)."
     ax.set(title="gradient norm", xlabel="step")
     s, v = metric(rows, "grad_norm")
     if not len(s):
@@ -154,14 +162,15 @@ def plot_grad_norm(rows: list, ax, cfg: Config = None):
     for k in sorted({k for r in rows for k in r if k.startswith("grad_norm/")}):
         gs, gv = metric(rows, k)
         ax.plot(gs, gv, "--", lw=1, label=k.split("/", 1)[1])
-    if cfg is not None:
-        _hline(ax, cfg.optim.grad_clip, f"clip {cfg.optim.grad_clip:g}")
-        _hline(ax, cfg.monitor.max_grad_norm, f"gate {cfg.monitor.max_grad_norm:g}", "tab:red")
+    if clip is not None:
+        _hline(ax, clip, f"clip {clip:g}")
+    if gate is not None:
+        _hline(ax, gate, f"gate {gate:g}", "tab:red")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
 
-
-def plot_throughput(rows: list, ax, cfg: Config = None):
+# %% ../../nbs/13_viz.ipynb #79e13bef
+def plot_throughput(rows: list, ax):
     "Tokens per second, and MFU on a second axis when the run logged it (GPUs only)."
     s, v = metric(rows, "tok_per_s")
     ax.set(title="throughput", xlabel="step", ylabel="tokens / s")
@@ -175,13 +184,14 @@ def plot_throughput(rows: list, ax, cfg: Config = None):
         tw.set_ylabel("MFU %", color="tab:orange")
 
 # %% ../../nbs/13_viz.ipynb #8dce8d34
-def load_norm(loads, cfg: Config = None) -> TwoSlopeNorm:
-    "A colour scale centred on an even share (1), from 0 to the larger of the gate's limit and the highest load."
+def load_norm(loads, limit: float = None) -> TwoSlopeNorm:
+    "A colour scale centred on an even share (1), from 0 to the larger of the gate's `limit` and the highest load."
+    limit = MonitorConfig().max_load_ratio if limit is None else limit  # the gate's default limit
     top = float(np.nanmax(loads)) if np.size(loads) and np.isfinite(loads).any() else 0.0
-    return TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(top, (cfg or Config()).monitor.max_load_ratio, 1.0 + 1e-6))
+    return TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(top, limit, 1.0 + 1e-6))
 
 
-def plot_expert_load(rows: list, ax, layer: int, cfg: Config = None, norm=None):
+def plot_expert_load(rows: list, ax, layer: int, norm=None):
     "Heatmap of one MoE layer's per-expert load (experts x steps); returns the image, or None without data."
     ax.set_title(f"expert load, layer {layer}")
     steps, loads = expert_load_matrix(rows, layer)
@@ -196,16 +206,16 @@ def plot_expert_load(rows: list, ax, layer: int, cfg: Config = None, norm=None):
         origin="lower",
         interpolation="nearest",
         cmap="RdBu_r",
-        norm=norm or load_norm(loads, cfg),
+        norm=norm or load_norm(loads),
         extent=(steps[0] - half, steps[-1] + half, -0.5, loads.shape[0] - 0.5),
     )
     ax.set(xlabel="step", ylabel="expert")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     return im
 
-# %% ../../nbs/13_viz.ipynb #f634ffb6
-def plot_router_entropy(rows: list, ax, cfg: Config = None):
-    "Mean routing entropy per token for each MoE layer, against ln E (a router that has not learned anything)."
+# %% ../../nbs/13_viz.ipynb #41b6fe5c
+def plot_router_entropy(rows: list, ax, n_routed: int = 0):
+    "Mean routing entropy per token for each MoE layer, against ln `n_routed` (a router that has not learned anything)."
     for i in moe_layers(rows):
         s, v = metric(rows, f"router/layer{i}_entropy")
         if len(s):
@@ -213,33 +223,33 @@ def plot_router_entropy(rows: list, ax, cfg: Config = None):
     ax.set(title="routing entropy", xlabel="step", ylabel="nats")
     if not ax.lines:
         return note_panel(ax, "no router/layerN_entropy logged (no MoE layer)")
-    if cfg is not None and cfg.model.moe.n_routed:
-        _hline(ax, math.log(cfg.model.moe.n_routed), f"ln {cfg.model.moe.n_routed} (uniform)")
+    if n_routed:
+        _hline(ax, math.log(n_routed), f"ln {n_routed} (uniform)")
     ax.legend(fontsize=7, ncol=2)
 
-
-def plot_overlap(rows: list, ax, cfg: Config = None):
-    "Cross-population overlap (two expert populations) against the gate's limit."
+# %% ../../nbs/13_viz.ipynb #01c232e3
+def plot_overlap(rows: list, ax, gate: float = None, n_pop_a: int = None):
+    "Cross-population overlap (two expert populations) against the `gate`'s limit."
     ax.set(title="cross-population overlap", xlabel="step")
     s, v = metric(rows, "router/cross_pop_overlap")
     if not len(s):
-        off = cfg is not None and cfg.model.moe.n_pop_a == 0
+        off = n_pop_a == 0
         return note_panel(
             ax, "populations off (model.moe.n_pop_a = 0)" if off else "no router/cross_pop_overlap logged"
         )
     ax.plot(s, v)
-    if cfg is not None:
-        _hline(ax, cfg.monitor.max_overlap, f"gate {cfg.monitor.max_overlap:g}", "tab:red")
+    if gate is not None:
+        _hline(ax, gate, f"gate {gate:g}", "tab:red")
     ax.legend(fontsize=8)
 
-
+# %% ../../nbs/13_viz.ipynb #4a0aaa10
 def loop_count(rows: list) -> int:
     "How many loops the rows' `loop/norm_K` series cover (0 without a recurrent core)."
     return max((int(k.rsplit("_", 1)[1]) for r in rows for k in r if re.fullmatch(r"loop/norm_\d+", k)), default=0)
 
 
-def plot_loop_series(rows: list, ax, name: str = "norm", cfg: Config = None):
-    "One line per loop K of `loop/{name}_K` (norm: the hidden-state norm; token_corr: token similarity)."
+def plot_loop_series(rows: list, ax, name: str = "norm", limit: float = None):
+    "One line per loop K of `loop/{name}_K` (norm: the hidden-state norm; token_corr: token similarity), and `limit`."
     title = {"norm": "per-loop hidden norm", "token_corr": "per-loop token similarity"}.get(name, f"per-loop {name}")
     ax.set(title=title, xlabel="step")
     n = loop_count(rows)
@@ -250,11 +260,11 @@ def plot_loop_series(rows: list, ax, name: str = "norm", cfg: Config = None):
         s, v = metric(rows, f"loop/{name}_{k}")
         if len(s):
             ax.plot(s, v, color=cmap(k / max(n, 1)), label=f"loop {k}")
-    if cfg is not None and name == "token_corr":
-        _hline(ax, cfg.monitor.max_token_corr, f"collapse {cfg.monitor.max_token_corr:g}", "tab:red")
+    if limit is not None:
+        _hline(ax, limit, f"collapse {limit:g}", "tab:red")
     ax.legend(fontsize=7, ncol=2)
 
-# %% ../../nbs/13_viz.ipynb #bce6db1d
+# %% ../../nbs/13_viz.ipynb #fc97a5eb
 def panel_titles(fig: Figure) -> list:
     "The titles of a figure's panels (axes without a title, such as colour bars, are not panels)."
     return [t for ax in fig.axes if (t := ax.get_title())]
@@ -270,41 +280,52 @@ def _grid(n: int, ncols: int, panel=(4.6, 3.0)) -> tuple:
         ax.remove()
     return fig, axes[:n]
 
-
-def training_figure(rows: list, cfg: Config = None) -> Figure:
-    "Loss, learning rate, gradient norm and throughput."
+# %% ../../nbs/13_viz.ipynb #49e1a564
+def training_figure(
+    rows: list,
+    schedule: ScheduleConfig = None,
+    optim: OptimConfig = None,
+    monitor: MonitorConfig = None,
+    sft: bool = False,
+) -> Figure:
+    "Loss, learning rate (over the `schedule`), gradient norm (with `optim`'s clip and `monitor`'s gate), throughput."
     fig, axes = _grid(4, 2)
-    for ax, f in zip(axes, (plot_loss, plot_lr, plot_grad_norm, plot_throughput)):
-        f(rows, ax, cfg)
+    plot_loss(rows, axes[0], sft)
+    plot_lr(rows, axes[1], schedule)
+    # getattr(None, ...) is None: a section left out draws no line
+    plot_grad_norm(rows, axes[2], getattr(optim, "grad_clip", None), getattr(monitor, "max_grad_norm", None))
+    plot_throughput(rows, axes[3])
     return fig
 
-
-def routing_figure(rows: list, cfg: Config = None) -> Figure:
+# %% ../../nbs/13_viz.ipynb #d2a9886b
+def routing_figure(rows: list, moe: MoEConfig = None, monitor: MonitorConfig = None) -> Figure:
     "Expert load heatmaps (one per MoE layer, one colour scale), routing entropy, cross-population overlap (if any)."
     layers = moe_layers(rows)
-    pops = len(metric(rows, "router/cross_pop_overlap")[0]) > 0 or (cfg is not None and cfg.model.moe.n_pop_a > 0)
+    n_pop_a = getattr(moe, "n_pop_a", None)
+    pops = len(metric(rows, "router/cross_pop_overlap")[0]) > 0 or bool(n_pop_a)
     fig, axes = _grid(len(layers) + 1 + pops, 3)
     loads = [expert_load_matrix(rows, i)[1] for i in layers]
-    norm = load_norm(np.concatenate([x.ravel() for x in loads]) if loads else np.zeros(0), cfg)
-    ims = [plot_expert_load(rows, ax, i, cfg, norm) for ax, i in zip(axes, layers)]
+    limit = getattr(monitor, "max_load_ratio", None)
+    norm = load_norm(np.concatenate([x.ravel() for x in loads]) if loads else np.zeros(0), limit)
+    ims = [plot_expert_load(rows, ax, i, norm) for ax, i in zip(axes, layers)]
     if any(im is not None for im in ims):
         fig.colorbar(
             next(im for im in ims if im is not None), ax=axes[: len(layers)], label="load / mean (1 = even)", shrink=0.8
         )
-    plot_router_entropy(rows, axes[len(layers)], cfg)
+    plot_router_entropy(rows, axes[len(layers)], getattr(moe, "n_routed", 0))
     if pops:  # no empty box when the model has one population
-        plot_overlap(rows, axes[-1], cfg)
+        plot_overlap(rows, axes[-1], getattr(monitor, "max_overlap", None), n_pop_a)
     return fig
 
-
-def loops_figure(rows: list, cfg: Config = None) -> Figure:
-    "Per-loop hidden norm (drift) and per-loop token similarity (collapse) of a recurrent core."
+# %% ../../nbs/13_viz.ipynb #53661e3b
+def loops_figure(rows: list, monitor: MonitorConfig = None) -> Figure:
+    "Per-loop hidden norm (drift) and per-loop token similarity (collapse, against `monitor.max_token_corr`)."
     fig, axes = _grid(2, 2)
-    plot_loop_series(rows, axes[0], "norm", cfg)
-    plot_loop_series(rows, axes[1], "token_corr", cfg)
+    plot_loop_series(rows, axes[0], "norm")
+    plot_loop_series(rows, axes[1], "token_corr", getattr(monitor, "max_token_corr", None))
     return fig
 
-# %% ../../nbs/13_viz.ipynb #84da1f72
+# %% ../../nbs/13_viz.ipynb #d743e2d9
 def load_export(path) -> tuple:
     "The model of an export folder (`RUN/final`) in eval mode, and the config it was trained with."
     path = Path(path)
@@ -318,12 +339,12 @@ def load_export(path) -> tuple:
     load_weights(path, model)
     return model.eval(), cfg
 
-
-def final_bp_mode(cfg: Config) -> str:
+# %% ../../nbs/13_viz.ipynb #8da9fcfe
+def final_bp_mode(data: DataConfig, schedule: ScheduleConfig) -> str:
     "The boundary mode the curriculum trained the last step with (what the model is used with after training)."
-    return Curriculum(cfg.data, cfg.schedule).bp_mode(cfg.schedule.max_steps - 1)
+    return Curriculum(data, schedule).bp_mode(schedule.max_steps - 1)
 
-
+# %% ../../nbs/13_viz.ipynb #649d1163
 @torch.no_grad()
 def learned_boundaries(model: CipherModel, text: str, mode: str = None) -> tuple:
     "Per UTF-8 byte of `text`: does the boundary predictor end a segment there (bools), and its sigmoid(logit) score."
@@ -395,7 +416,7 @@ def plot_boundaries(text: str, ends: list, ax, width: int = 64, title: str = "le
     ax.set_aspect(1.6)
     ax.axis("off")
 
-# %% ../../nbs/13_viz.ipynb #b4860293
+# %% ../../nbs/13_viz.ipynb #3c47bac0
 def sample_text(n_chars: int = 400) -> str:
     "The opening of the standard library `json` module's docstring: real prose and code, present on every machine."
     import json as _json
@@ -403,10 +424,9 @@ def sample_text(n_chars: int = 400) -> str:
     return textwrap.dedent(_json.__doc__).strip()[:n_chars]
 
 
-def boundary_figure(model: CipherModel, cfg: Config, text: str = None, mode: str = None, width: int = 64) -> Figure:
-    "A text with the model's learned boundaries marked, and its boundary rate against the target."
+def boundary_figure(model: CipherModel, mode: str, text: str = None, width: int = 64) -> Figure:
+    "A text with the model's boundaries in `mode` marked, and its boundary rate against the model's target."
     text = sample_text() if text is None else text
-    mode = mode or final_bp_mode(cfg)
     ends, scores = learned_boundaries(model, text, mode)
     rows = 1 + max(r for _, r, _, _, _ in char_cells(text, ends, width))
     fig = PngFigure(figsize=(width * 0.16, 0.5 + rows * 0.27), layout="constrained")
@@ -414,28 +434,29 @@ def boundary_figure(model: CipherModel, cfg: Config, text: str = None, mode: str
     rate = sum(ends) / max(len(ends), 1)
     fig.suptitle(
         f"mode {mode}: {sum(ends)} segments over {len(ends)} bytes, rate {rate:.2f} "
-        f"(target model.boundary.rate {cfg.model.boundary.rate:.2f}), "
+        f"(target model.boundary.rate {model.cfg.boundary.rate:.2f}), "
         f"mean segment {len(ends) / max(sum(ends), 1):.1f} bytes",
         fontsize=9,
     )
     return fig
 
-# %% ../../nbs/13_viz.ipynb #92fe6814
+# %% ../../nbs/13_viz.ipynb #6b1c1731
 def run_figures(run_dir, text: str = None, mode: str = None) -> dict:
     "{name: Figure} of a run: training, routing (MoE), loops (recurrent), boundaries (boundary models with an export)."
     rows, cfg = load_run(run_dir)
-    figs = {"training": training_figure(rows, cfg)}
+    sft = cfg.stage.name == "sft"
+    figs = {"training": training_figure(rows, cfg.schedule, cfg.optim, cfg.monitor, sft)}
     if moe_layers(rows):
-        figs["routing"] = routing_figure(rows, cfg)
+        figs["routing"] = routing_figure(rows, cfg.model.moe, cfg.monitor)
     if loop_count(rows):
-        figs["loops"] = loops_figure(rows, cfg)
+        figs["loops"] = loops_figure(rows, cfg.monitor)
     final = Path(run_dir) / "final"
     if cfg.model.boundary.enabled and ck.is_complete(final):
         model, mcfg = load_export(final)
-        figs["boundaries"] = boundary_figure(model, mcfg, text, mode)
+        figs["boundaries"] = boundary_figure(model, mode or final_bp_mode(mcfg.data, mcfg.schedule), text)
     return figs
 
-
+# %% ../../nbs/13_viz.ipynb #eb02feb7
 def save_png(fig: Figure, path, dpi: int = 100) -> Path:
     "Write `fig` as a PNG through the Agg canvas (no display needed), its panel titles in the PNG metadata."
     path = Path(path)
