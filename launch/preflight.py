@@ -132,7 +132,7 @@ def check_init(cfg):
     from cipher_nb.data.sources import data_fingerprint  # refinement must read exactly its source's data
     from cipher_nb.persist.stages import check_init_source
 
-    meta = check_init_source(cfg.stage.init, cfg, data_fingerprint(cfg.data))
+    meta = check_init_source(cfg.stage.init, cfg.stage, cfg.data, data_fingerprint(cfg.data), cfg.sft.lora_rank)
     return True, f"{cfg.stage.init}: stage {meta.get('stage')} step {meta.get('step')} -> {cfg.stage.name}"
 
 
@@ -146,7 +146,7 @@ def check_data(cfg, timeout: float):
         try:
             hooks = stage_hooks(cfg.stage.name)
             c = hooks.config(cfg)
-            loader, _ = hooks.data(c, 0, 1)
+            loader, _ = hooks.data(0, 1)
             b = next(iter(loader))
             res["fig"] = f"{c.data.source} {c.data.path or ''}".strip() + f": one batch {tuple(b['input_ids'].shape)}"
         except BaseException as e:

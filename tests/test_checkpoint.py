@@ -298,10 +298,14 @@ def selection_fingerprint(doc_ids):
 
 def test_pretrain_to_sft_is_rejected_with_the_reason(tmp_path):
     p, _ = _pretrain_ckpt(tmp_path, "fp")
+    sft, declared = (
+        load_config(None, ["stage.name=sft"]),
+        load_config(None, ["stage.name=sft", "stage.source_stage=refinement"]),
+    )
     with pytest.raises(StageError, match=r"pretrain -> sft is refused: .*pretrain -> refinement -> sft"):
-        check_init_source(p, load_config(None, ["stage.name=sft"]))
+        check_init_source(p, sft.stage, sft.data)
     with pytest.raises(StageError, match=r"declares 'refinement' but the checkpoint is from stage 'pretrain'"):
-        check_init_source(p, load_config(None, ["stage.name=sft", "stage.source_stage=refinement"]))
+        check_init_source(p, declared.stage, declared.data)
 
 
 def test_refinement_on_another_selection_of_equal_size_is_rejected(tmp_path):
@@ -311,11 +315,11 @@ def test_refinement_on_another_selection_of_equal_size_is_rejected(tmp_path):
     p, _ = _pretrain_ckpt(tmp_path, fp_pre)
     (p / STATE).write_bytes(b"garbage")  # the check reads metadata only, before any model exists
     refine = load_config(None, ["stage.name=refinement"])
-    check_init_source(p, refine, fp_pre)
+    check_init_source(p, refine.stage, refine.data, fp_pre)
     with pytest.raises(StageError, match=rf"fingerprint {fp_other} here, {fp_pre} in the checkpoint"):
-        check_init_source(p, refine, fp_other)
+        check_init_source(p, refine.stage, refine.data, fp_other)
     with pytest.raises(StageError, match="fail closed"):
-        check_init_source(p, refine, "")
+        check_init_source(p, refine.stage, refine.data, "")
 
 
 def test_resume_with_a_changed_lr_is_refused_naming_the_key(tmp_path):

@@ -89,8 +89,10 @@ def _source_ckpt(tmp_path, cfg, fp):
 def test_refinement_from_an_unpinned_source_is_refused_unless_allowed(tmp_path):
     src = _source_ckpt(tmp_path, load_config(None, HUB), "fp")
     with pytest.raises(StageError, match=r"unpinned hub source(.|\n)*stage.allow_unpinned=true"):
-        check_init_source(src, load_config(None, ["stage.name=refinement", *HUB]), "fp")
-    check_init_source(src, load_config(None, ["stage.name=refinement", "stage.allow_unpinned=true", *HUB]), "fp")
+        unpinned = load_config(None, ["stage.name=refinement", *HUB])
+        check_init_source(src, unpinned.stage, unpinned.data, "fp")
+    accepted = load_config(None, ["stage.name=refinement", "stage.allow_unpinned=true", *HUB])
+    check_init_source(src, accepted.stage, accepted.data, "fp")
 
 
 def test_refinement_from_local_files_needs_no_pin(tmp_path, corpus):
@@ -99,7 +101,7 @@ def test_refinement_from_local_files_needs_no_pin(tmp_path, corpus):
     src = _source_ckpt(tmp_path, cfg, fp)
     refine = files_cfg(corpus)
     refine.stage.name = "refinement"
-    check_init_source(src, refine, D.data_fingerprint(refine.data))
+    check_init_source(src, refine.stage, refine.data, D.data_fingerprint(refine.data))
 
 
 def test_a_single_file_with_a_heldout_tail_yields_heldout_batches(corpus):
@@ -171,6 +173,6 @@ def test_splitting_long_files_changes_the_fingerprint_only_where_it_changes_what
     refine = files_cfg(corpus)
     refine.stage.name = "refinement"
     with pytest.raises(StageError, match="refinement data differs"):
-        check_init_source(src, refine, D.data_fingerprint(refine.data))
+        check_init_source(src, refine.stage, refine.data, D.data_fingerprint(refine.data))
     for cfg in (files_cfg(corpus, max_bytes=0), files_cfg(corpus, max_bytes=1 << 16), Config()):
         assert D.data_fingerprint(cfg.data) == _fingerprint_before_split(cfg)  # nothing cut, nothing split: unchanged

@@ -20,7 +20,7 @@ import torch
 from fastcore.basics import patch
 from torch import nn
 
-from ..config.load import Config, config_hash
+from ..config.load import Config, TrainConfig, config_hash
 from ..core import rng_state, set_rng_state
 from ..model.lm import renamed
 from cipher_nb.persist.files import (
@@ -118,9 +118,8 @@ class Checkpointer:
                 warnings.warn(f"best/ is unreadable, the next evaluation replaces it: {e}", CheckpointWarning)
 
     @classmethod
-    def from_config(cls, cfg: Config, run_dir):
-        "The checkpointer of a run: `training.keep_last`, `training.background_save`, `training.persistent_dir`."
-        t = cfg.training
+    def from_config(cls, t: TrainConfig, run_dir):
+        "The checkpointer of a run from its training section: `keep_last`, `background_save`, `persistent_dir`."
         mirror = Path(t.persistent_dir) / Path(run_dir).name / "checkpoints" if t.persistent_dir else None
         return cls(Path(run_dir) / "checkpoints", t.keep_last, t.background_save, mirror)
 

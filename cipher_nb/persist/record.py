@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import cipher_nb
-from ..config.load import Config, config_hash
+from ..config.load import Config, DataConfig, config_hash
 from ..data.sources import heldout_mode, unpinned_sources
 from .export import file_sha256
 from .files import CheckpointError, dist_info, read_meta, utc_now, verify_checkpoint, write_json_atomic
@@ -140,10 +140,10 @@ def source_info(path) -> dict:
     )
 
 
-def data_summary(cfg: Config) -> dict:
+def data_summary(data: DataConfig) -> dict:
     "The record's data section: whether every hub source is pinned to a commit, and how held-out data is chosen."
-    unpinned = [s.name for s in unpinned_sources(cfg.data)]
-    return dict(pinned=not unpinned, unpinned=unpinned, heldout=heldout_mode(cfg.data))
+    unpinned = [s.name for s in unpinned_sources(data)]
+    return dict(pinned=not unpinned, unpinned=unpinned, heldout=heldout_mode(data))
 
 
 def run_record(
@@ -165,7 +165,7 @@ def run_record(
         git=git_commit(),
         source_checkpoint=None if source is None else source_info(source),
         data_fingerprint=data_fingerprint,
-        data=dict(data or data_summary(cfg)),
+        data=dict(data or data_summary(cfg.data)),
         codec=dict(codec or dict(kind=cfg.data.codec, tokenizer=cfg.data.tokenizer)),
         mode="lora" if cfg.sft.lora_rank else "full",
         optimizer=dict(

@@ -14,7 +14,16 @@ from typing import get_args
 
 import torch.nn as nn
 
-from ..config.load import Config, ConfigError, Stage, config_from_dict, critical_dict, critical_diff
+from cipher_nb.config.load import (
+    Config,
+    ConfigError,
+    DataConfig,
+    Stage,
+    StageConfig,
+    config_from_dict,
+    critical_dict,
+    critical_diff,
+)
 from ..data.curriculum import build_loader
 from ..data.sources import has_heldout, pin_hint, unpinned_sources
 from .files import CheckpointError, ResumeError, StageError, dist_info, read_meta
@@ -93,11 +102,11 @@ def check_data_identity(source_fp: str, fingerprint: str, path=""):
         )
 
 
-def check_pinned(cfg: Config, meta: dict | None = None, path=""):
+def check_pinned(data: DataConfig, allow_unpinned: bool = False, meta: dict | None = None, path=""):
     "Refinement from a hub source without a commit revision is refused unless `stage.allow_unpinned` is set."
-    cfgs = [cfg] + ([_config_of(meta)] if meta and "config" in meta else [])
-    lines = list(dict.fromkeys(pin_hint(c.data, s) for c in cfgs for s in unpinned_sources(c.data)))
-    if lines and not cfg.stage.allow_unpinned:
+    datas = [data] + ([_config_of(meta).data] if meta and "config" in meta else [])  # this run's and its source's
+    lines = list(dict.fromkeys(pin_hint(d, s) for d in datas for s in unpinned_sources(d)))
+    if lines and not allow_unpinned:
         raise StageError(
             f"refinement from {path or 'its source'} reads an unpinned hub source, so it cannot prove it sees the "
             "documents pretraining saw: refused.\n  "
@@ -106,17 +115,19 @@ def check_pinned(cfg: Config, meta: dict | None = None, path=""):
         )
 
 
-def check_init_source(path, cfg: Config, data_fingerprint: str = "") -> dict:
+def check_init_source(
+    path, stage: StageConfig, data: DataConfig, data_fingerprint: str = "", lora_rank: int = 0
+) -> dict:
     "Before building a model: check a weights-only start from `path` (stage, LoRA, data identity) on its metadata."
     meta = read_meta(path)
-    check_stage_transition(meta.get("stage", ""), cfg.stage.name, cfg.stage.source_stage)
-    if meta.get("mode") == "lora" and not cfg.sft.lora_rank:
+    check_stage_transition(meta.get("stage", ""), stage.name, stage.source_stage)
+    if meta.get("mode") == "lora" and not lora_rank:
         raise StageError(
             f"{path} is a LoRA checkpoint: LoRA runs are experimental and do not start a full-parameter stage; "
             "start from the full-parameter checkpoint instead"
         )
-    if cfg.stage.name == "refinement":
-        check_pinned(cfg, meta, path)
+    if stage.name == "refinement":
+        check_pinned(data, stage.allow_unpinned, meta, path)
         check_data_identity(meta.get("data_fingerprint", ""), data_fingerprint, path)
     return meta
 
@@ -124,19 +135,23 @@ def check_init_source(path, cfg: Config, data_fingerprint: str = "") -> dict:
 class StageHooks:
     "What a stage changes in a run; the default (pretrain, refinement) changes nothing."
 
+    cfg: Config = None  # the config the run uses: set by `config`, read by the other hooks
+
     def config(self, cfg: Config) -> Config:
-        "The config the run uses (SFT: epochs into steps, its own learning rate)."
+        "The config the run uses (SFT: epochs into steps, its own learning rate); the other hooks read it."
+        self.cfg = cfg
         return cfg
 
-    def check_resume(self, meta: dict, cfg: Config):
+    def check_resume(self, meta: dict):
         "Refuse a resume this stage cannot continue (before the generic config check)."
 
-    def model(self, model: nn.Module, cfg: Config) -> nn.Module:
+    def model(self, model: nn.Module) -> nn.Module:
         "The model to train (SFT: with LoRA adapters)."
         return model
 
-    def data(self, cfg: Config, rank: int, world_size: int) -> tuple:
+    def data(self, rank: int, world_size: int) -> tuple:
         "The training loader and the held-out batches (none when `has_heldout` says there are none)."
+        cfg = self.cfg
         train = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", rank, world_size)
         if not has_heldout(cfg.data):
             return train, []
@@ -147,6 +162,6 @@ class StageHooks:
         "The model to export (SFT: LoRA merged into the weights)."
         return model
 
-    def callbacks(self, cfg: Config, run_dir) -> list:
+    def callbacks(self, run_dir) -> list:
         "Callbacks the stage adds to the run."
         return []

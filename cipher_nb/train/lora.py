@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cipher_nb.persist.files as ck
-from ..config.load import Config, ConfigError
+from ..config.load import ConfigError, SFTConfig
 
 # %% ../../nbs/10a_lora.ipynb #3db0af80
 class LoRALinear(nn.Module):
@@ -109,20 +109,20 @@ def merge_lora_state(sd: dict, scale: float) -> dict:
     return out
 
 # %% ../../nbs/10a_lora.ipynb #e58d927d
-def run_mode(cfg: Config) -> str:
-    "`lora` when the config trains adapters (`sft.lora_rank > 0`), else `full`."
-    return "lora" if cfg.sft.lora_rank else "full"
+def run_mode(sft: SFTConfig) -> str:
+    "`lora` when the SFT section trains adapters (`sft.lora_rank > 0`), else `full`."
+    return "lora" if sft.lora_rank else "full"
 
 
-def check_mode(meta: dict, cfg: Config):
+def check_mode(meta: dict, sft: SFTConfig):
     "Refuse to resume LoRA state in a full-parameter run, or full-parameter state in a LoRA run."
-    saved, now = meta.get("mode", "full"), run_mode(cfg)
+    saved, now = meta.get("mode", "full"), run_mode(sft)
     if saved == now:
         return
     what = {"lora": "LoRA adapters over a frozen base", "full": "full-parameter weights and optimizer state"}
     raise ck.ResumeError(
         f"cannot resume {meta.get('path', 'the checkpoint')}: it holds {what[saved]} ({saved} mode) and this "
-        f"run is {now} (sft.lora_rank = {cfg.sft.lora_rank}). LoRA and full-parameter states never mix: resume "
+        f"run is {now} (sft.lora_rank = {sft.lora_rank}). LoRA and full-parameter states never mix: resume "
         f"with sft.lora_rank = {meta.get('config', {}).get('sft', {}).get('lora_rank', '?')}, or start a new "
         "run with --init from a full-parameter checkpoint"
     )

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import cipher_nb.persist.files as ck
 from ..callbacks import Callback
-from ..config.load import Config, ConfigError, validate
+from ..config.load import Config, ConfigError, SFTConfig, validate
 from ..core import dist_env
 from ..data.codecs import ByteCodec, build_codec
 from ..data.conversations import load_conversations, read_utf8, stdlib_qa
@@ -217,10 +217,8 @@ def qa_conversations() -> list:
     ]
 
 
-def build_sft_data(cfg: Config, codec=None) -> SFTData:
-    "The run's SFT examples: loaded or embedded, rendered, split by hash, gated for length."
-    s, T = cfg.sft, cfg.training.seq_len
-    codec = codec or build_codec(cfg.data)
+def build_sft_data(s: SFTConfig, T: int, codec) -> SFTData:
+    "The SFT examples of section `s` for windows of `T` ids: loaded or embedded, rendered, split by hash, length-gated."
     template = load_chat_template(s.chat_template) if s.chat_template else None
     convs = load_conversations(s.data) if s.data else qa_conversations()
     examples = [
@@ -388,32 +386,38 @@ class SFTHooks(StageHooks):
     def __init__(self):
         self._data, self._key, self._packed, self.cfg = None, None, {}, None
 
-    def sft_data(self, cfg: Config) -> SFTData:
+    def sft_data(self) -> SFTData:
         "The run's `SFTData`, built once per config."
+        c = self.cfg
         key = json.dumps(
-            [cfg.sft.__dict__, cfg.data.codec, cfg.data.tokenizer, cfg.training.seq_len], sort_keys=True, default=str
+            [c.sft.__dict__, c.data.codec, c.data.tokenizer, c.training.seq_len], sort_keys=True, default=str
         )
         if self._key != key:
-            self._data, self._key, self._packed = build_sft_data(cfg), key, {}
+            self._data, self._key, self._packed = (
+                build_sft_data(c.sft, c.training.seq_len, build_codec(c.data)),
+                key,
+                {},
+            )
         return self._data
 
-    def _arrays(self, cfg: Config, split: str) -> dict:
-        d = self.sft_data(cfg)
+    def _arrays(self, split: str) -> dict:
+        d, c = self.sft_data(), self.cfg
         if split not in self._packed:
             self._packed[split] = pack_examples(
-                d.train if split == "train" else d.heldout, cfg.training.seq_len, build_codec(cfg.data).pad
+                d.train if split == "train" else d.heldout, c.training.seq_len, build_codec(c.data).pad
             )
         return self._packed[split]
 
-    def check_resume(self, meta: dict, cfg: Config):
+    def check_resume(self, meta: dict):
         "Refuse a resume that mixes LoRA and full-parameter state (`check_mode`)."
-        check_mode(meta, cfg)
+        check_mode(meta, self.cfg.sft)
 
     def config(self, cfg: Config) -> Config:
-        cfg = copy.deepcopy(cfg)
+        "Epochs into steps, an evaluation and a checkpoint at each epoch; the other hooks read the config returned."
+        self.cfg = cfg = copy.deepcopy(cfg)  # the SFT data come from sections this rewrite leaves as they are
         t, s, plan = cfg.training, cfg.sft, cfg.schedule
         per_step = t.batch_size * t.grad_accum * dist_env().world_size
-        self.steps_per_epoch = math.ceil(len(self._arrays(cfg, "train")["input_ids"]) / per_step)
+        self.steps_per_epoch = math.ceil(len(self._arrays("train")["input_ids"]) / per_step)
         plan.max_steps = self.steps_per_epoch * s.epochs  # the horizon in epochs; the rate is the preset's schedule.lr
         plan.warmup_steps = min(round(s.warmup_frac * plan.max_steps), plan.max_steps - 1)
         t.eval_every = t.checkpoint_every = self.steps_per_epoch
@@ -423,13 +427,13 @@ class SFTHooks(StageHooks):
         self.cfg = validate(cfg)
         return cfg
 
-    def data(self, cfg: Config, rank: int, world_size: int) -> tuple:
-        t = cfg.training
-        loader = SFTLoader(self._arrays(cfg, "train"), t.batch_size, t.grad_accum, rank, world_size, t.seed)
-        return loader, heldout_batches(self._arrays(cfg, "heldout"), t.batch_size, rank, world_size)
+    def data(self, rank: int, world_size: int) -> tuple:
+        t = self.cfg.training
+        loader = SFTLoader(self._arrays("train"), t.batch_size, t.grad_accum, rank, world_size, t.seed)
+        return loader, heldout_batches(self._arrays("heldout"), t.batch_size, rank, world_size)
 
-    def model(self, model: nn.Module, cfg: Config) -> nn.Module:
-        s = cfg.sft
+    def model(self, model: nn.Module) -> nn.Module:
+        s = self.cfg.sft
         if s.lora_rank:
             inject_lora(model, s.lora_rank, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets))
         return model
@@ -446,13 +450,13 @@ class SFTHooks(StageHooks):
         sd = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return merge_lora_state(sd, self.cfg.sft.lora_alpha / self.cfg.sft.lora_rank)
 
-    def notes(self, cfg: Config) -> list:
+    def notes(self) -> list:
         "What the run record says about the SFT data."
-        d, s, T = self.sft_data(cfg), cfg.sft, cfg.training.seq_len
+        d, s, T = self.sft_data(), self.cfg.sft, self.cfg.training.seq_len
         on = "the final assistant turn" if s.mask == "final" else "every assistant turn"
         out = [
             f"sft data {d.source} (hash {d.fingerprint()}): {len(d.train)} training examples packed into "
-            f"{len(self._arrays(cfg, 'train')['input_ids'])} windows of {T}, {len(d.heldout)} held-out examples, all "
+            f"{len(self._arrays('train')['input_ids'])} windows of {T}, {len(d.heldout)} held-out examples, all "
             f"evaluated at the source checkpoint and every epoch; loss on {on}"
         ]
         if d.dropped:
@@ -470,8 +474,8 @@ class SFTHooks(StageHooks):
             )
         return out
 
-    def callbacks(self, cfg: Config, run_dir) -> list:
-        return [SFTCallback(run_dir, self.steps_per_epoch, self.notes(cfg))]
+    def callbacks(self, run_dir) -> list:
+        return [SFTCallback(run_dir, self.steps_per_epoch, self.notes())]
 
 # %% ../../nbs/11_sft.ipynb #c39401fa
 class SFTCallback(Callback):

@@ -18,7 +18,7 @@ import zlib
 from pathlib import Path
 
 from ..callbacks import Callback
-from ..config.load import Config, ConfigError
+from ..config.load import ConfigError, LoggingConfig, WandbConfig
 from ..persist.files import write_json_atomic
 
 # %% ../../nbs/10c_tracking.ipynb #34e4d1a3
@@ -48,7 +48,7 @@ def note_in_record(trainer, tracker: str, info: dict):
 class TensorBoardCallback(Callback):
     "Each log row as TensorBoard scalars under RUN/tensorboard, flushed at every evaluation and at the end."
 
-    def __init__(self, cfg: Config, run_dir):
+    def __init__(self, run_dir):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self.make_writer, self.dir = SummaryWriter, Path(run_dir) / "tensorboard"
@@ -86,10 +86,11 @@ WANDB_START_FAILED = (
 class WandbCallback(Callback):
     "Each log row to Weights & Biases with the resolved config; a resumed run continues the same W&B run."
 
-    def __init__(self, cfg: Config, run_dir):
+    def __init__(self, w: WandbConfig, run_dir, config: dict = None):
+        "`w`: the `logging.wandb` section; `config`: the run's resolved config, shown by W&B beside the run."
         import wandb
 
-        w, run_dir = cfg.logging.wandb, Path(run_dir)
+        run_dir = Path(run_dir)
         known = read_tracking(run_dir).get("wandb", {})  # set when this run directory already has a W&B run
         try:
             self.run = wandb.init(
@@ -101,7 +102,7 @@ class WandbCallback(Callback):
                 id=known.get("id"),
                 resume="allow",
                 reinit="create_new",  # never hand back another run still open in this process
-                config=cfg.to_dict(),
+                config=config,
             )
         except wandb.errors.Error as e:
             raise ConfigError(WANDB_START_FAILED.format(mode=w.mode, error=e, run_dir=run_dir)) from e
@@ -196,16 +197,20 @@ def finished_wandb_runs(run_dir, n: int, timeout: float = 30.0) -> list:
         time.sleep(0.1)
 
 # %% ../../nbs/10c_tracking.ipynb #ad88aae7
-def logger_callbacks(cfg: Config, run_dir, is_main: bool = True) -> list:
-    "The loggers `logging.tensorboard` / `logging.wandb.mode` ask for (rank 0 only)."
-    out, wanted = [], dict(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb.mode != "disabled")
-    for flag, cls, pkg in (("tensorboard", TensorBoardCallback, "tensorboard"), ("wandb", WandbCallback, "wandb")):
-        if not (is_main and wanted[flag]):
+def logger_callbacks(logs: LoggingConfig, run_dir, is_main: bool = True, config: dict = None) -> list:
+    "The loggers the `logging` section asks for (rank 0 only); `config`: the run's resolved config, for W&B."
+    makers = dict(
+        tensorboard=(logs.tensorboard, lambda: TensorBoardCallback(run_dir)),
+        wandb=(logs.wandb.mode != "disabled", lambda: WandbCallback(logs.wandb, run_dir, config)),
+    )
+    out = []
+    for pkg, (wanted, make) in makers.items():  # each logger's flag is named after its package
+        if not (is_main and wanted):
             continue
         try:
-            out.append(cls(cfg, run_dir))
+            out.append(make())
         except ImportError:
             warnings.warn(
-                f"logging.{flag} is on but {pkg} is not installed: pip install {pkg} (metrics.jsonl is kept anyway)"
+                f"logging.{pkg} is on but {pkg} is not installed: pip install {pkg} (metrics.jsonl is kept anyway)"
             )
     return out

@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/trainer.html.md"""
 
 # %% auto #0
 __all__ = ['BUDGET_WARM_STEPS', 'BUDGET_CALIBRATION_STEPS', 'StopRequested', 'StopFlag', 'add_stats', 'mean_stats', 'no_sync',
-           'discard_moe_load', 'Schedule', 'progress_line', 'paused', 'NonFiniteError', 'Trainer']
+           'Schedule', 'progress_line', 'paused', 'NonFiniteError', 'Trainer']
 
 # %% ../../nbs/10_trainer.ipynb #88aeee64
 import json
@@ -26,7 +26,6 @@ import torch.nn as nn
 from ..callbacks import run_callbacks
 from ..config.load import Config, ScheduleConfig, parse_duration
 from ..core import DistEnv, autocast, autocast_dtype, dist_env
-from ..model.moe import MoE, update_moe_biases
 from ..model.roles import clip_groups, params_with_role
 from ..monitor.metrics import mem_gb, mfu, sum_over_ranks
 from ..optim.optimizers import lr_at, set_lr
@@ -124,13 +123,6 @@ def no_sync(model, last: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(False)
     return nullcontext()
-
-# %% ../../nbs/10_trainer.ipynb #d4629cb4
-def discard_moe_load(model: nn.Module):
-    "Drop the routing counts accumulated since the last optimizer step (a skipped step)."
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.take_load()
 
 # %% ../../nbs/10_trainer.ipynb #d2bee0f6
 BUDGET_WARM_STEPS, BUDGET_CALIBRATION_STEPS = 2, 5  # steps left out of the cost, then steps timed before a plan
@@ -354,9 +346,8 @@ class Trainer:
                 p.grad = None
 
     def skip_step(self):
-        "Forget a non-finite step's gradients and routing counts; stop the run after too many in a row."
+        "Forget a non-finite step's gradients; stop the run after too many in a row."
         self.optimizer.zero_grad(set_to_none=True)
-        discard_moe_load(self.raw_model)
         if self.scaler:
             self.scaler.update()
         self.skipped += 1
@@ -406,7 +397,6 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        update_moe_biases(self.raw_model)  # the DeepSeek-V3 bias step, from the counts of every micro-batch (all ranks)
         self.step += 1
         return {**res, "grad_norm": norm.detach().float(), "lr": self.schedule.lr(self.step - 1)}
 
