@@ -514,7 +514,8 @@ def forward(self: MoE, x):
 
 
 @patch
-@torch.compiler.disable  # runs eagerly, so that `_in_backward` is asked at run time, never baked into a graph
+# torch's lazy torch.compiler.disable: dynamo (~3 s to import) loads at the first call, not with this module
+@torch._disable_dynamo  # runs eagerly, so that `_in_backward` is asked at run time, never baked into a graph
 def _add_load(self: MoE, counts):
     "Add one forward's counts to the pending load, unless autograd is recomputing a checkpointed forward."
     if _in_backward():
