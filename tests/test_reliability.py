@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import ROOT, SMALL_MODEL, deadline, run_cli
+from conftest import ROOT, SMALL_MODEL, deadline, rows, run_cli
 
 TINY = [
     *SMALL_MODEL,
@@ -105,10 +105,6 @@ def started(*args, wait_for: str, cmd="cipher-train", timeout=120):
 def finish(p, seen, timeout=120) -> Result:
     _, rest = p.communicate(timeout=timeout)
     return Result(p.returncode, "".join(seen) + rest)
-
-
-def rows(run) -> list:
-    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().split("\n")[:-1] if r.strip()]
 
 
 def flip_byte(f: Path):
