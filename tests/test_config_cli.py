@@ -6,11 +6,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_in_process
 
 
 def cli():
     return shutil.which("cipher-config") or str(ROOT / ".venv/bin/cipher-config")
+
+
+def config(*args):
+    "cipher-config ARGS in this process, from the repository root (test_h100_preset_prints_its_values runs a process)."
+    from cipher_nb.config.sizing import cipher_config
+
+    args = [str(ROOT / a) if str(a).startswith("examples/") else a for a in args]
+    return run_in_process(cipher_config, *args, pos=["path"])  # the pos of its @command
 
 
 def test_h100_preset_prints_its_values():
@@ -42,15 +50,15 @@ def test_h100_preset_prints_its_values():
 
 
 def test_bad_override_exits_nonzero_naming_the_keys():
-    r = run_cli(cli(), "examples/configs/h100.yaml", "model.moe.top_k=40")
+    r = config("examples/configs/h100.yaml", "model.moe.top_k=40")
     assert r.returncode != 0
     assert "model.moe.top_k" in r.stderr and "model.moe.n_routed" in r.stderr
 
 
 def test_old_flat_override_still_applies():
-    r = run_cli(cli(), "examples/configs/h100.yaml", "model.top_k=40")
+    r = config("examples/configs/h100.yaml", "model.top_k=40")
     assert r.returncode != 0 and "model.moe.top_k (40)" in r.stderr
-    r = run_cli(cli(), "examples/configs/h100.yaml", "model.top_k=2", "model.moe_impl=bmm")
+    r = config("examples/configs/h100.yaml", "model.top_k=2", "model.moe_impl=bmm")
     assert r.returncode == 0, r.stderr
     m = yaml.safe_load("\n".join(line for line in r.stdout.splitlines() if not line.startswith("#")))["model"]
     assert (m["moe"]["top_k"], m["moe"]["impl"]) == (2, "bmm")
@@ -59,12 +67,12 @@ def test_old_flat_override_still_applies():
 def test_flat_key_and_nested_twin_is_an_error(tmp_path):
     p = tmp_path / "both.yaml"
     p.write_text("model:\n  top_k: 2\n  moe:\n    top_k: 4\n")
-    r = run_cli(cli(), str(p))
+    r = config(str(p))
     assert r.returncode != 0 and "model.top_k and model.moe.top_k" in r.stderr
 
 
 def test_unknown_key_suggests_the_closest():
-    r = run_cli(cli(), "examples/configs/tiny-cpu.yaml", "training.warmup=10")
+    r = config("examples/configs/tiny-cpu.yaml", "training.warmup=10")
     assert r.returncode != 0 and "did you mean 'schedule.warmup_steps'" in r.stderr
 
 
@@ -138,7 +146,7 @@ def test_a_key_given_twice_is_one_line_with_exit_code_2(tmp_path):
     "PyYAML keeps the last of two equal keys: the first `training:` section would be dropped without a word."
     dup = tmp_path / "dup.yaml"
     dup.write_text("training:\n  lr: 1.0e-3\ntraining:\n  seed: 1\n")
-    r = run_cli(cli(), str(dup))
+    r = config(str(dup))
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
         f"cipher-config: invalid config: config file '{dup}' line 3: key 'training' is given twice (first on line 1); "

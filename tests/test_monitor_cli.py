@@ -7,11 +7,18 @@ import re
 import shutil
 
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_in_process
+
+from cipher_nb.monitor.gate import cipher_gate
 
 
 def cli():
     return shutil.which("cipher-gate") or str(ROOT / ".venv/bin/cipher-gate")
+
+
+def gate(run_dir):
+    "cipher-gate RUN_DIR in this process (the console script's wiring: test_healthy_run_passes runs it as one)."
+    return run_in_process(cipher_gate, run_dir)
 
 
 def rows(n=150, every=10, **over):
@@ -79,7 +86,7 @@ def test_broken_run_fails_naming_the_lines(tmp_path):
         gpu_util=lambda s: 30.0,
         mfu=lambda s: 0.3,
     )
-    r = run_cli(cli(), str(make_run(tmp_path, "bad", bad)))
+    r = gate(str(make_run(tmp_path, "bad", bad)))
     assert r.returncode == 1
     t = table(r.stdout)
     fails = sorted(c for c, (v, _) in t.items() if v == "FAIL")
@@ -97,10 +104,10 @@ def test_broken_run_fails_naming_the_lines(tmp_path):
 def test_thresholds_and_populations_come_from_config_yaml(tmp_path):
     ov = rows(**{"router/cross_pop_overlap": lambda s: 0.2})
     run = make_run(tmp_path, "pops", ov, {"model": {"n_pop_a": 4}, "monitor": {"max_overlap": 0.1}})
-    r = run_cli(cli(), str(run))
+    r = gate(str(run))
     assert r.returncode == 1 and table(r.stdout)["cross-population overlap under 0.1"][0] == "FAIL"
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"n_pop_a": 4}}))
-    r = run_cli(cli(), str(run))
+    r = gate(str(run))
     assert r.returncode == 0 and table(r.stdout)["cross-population overlap under 0.3"] == (
         "PASS",
         "0.200, last quarter",
@@ -108,14 +115,14 @@ def test_thresholds_and_populations_come_from_config_yaml(tmp_path):
 
 
 def test_bad_input_is_a_clear_error(tmp_path):
-    r = run_cli(cli(), str(tmp_path / "nope"))
+    r = gate(str(tmp_path / "nope"))
     assert r.returncode == 2 and "does not exist" in r.stderr
     (tmp_path / "nometrics").mkdir()
-    r = run_cli(cli(), str(tmp_path / "nometrics"))
+    r = gate(str(tmp_path / "nometrics"))
     assert r.returncode == 2 and "no metrics file" in r.stderr and "metrics.jsonl" in r.stderr
-    r = run_cli(cli(), str(make_run(tmp_path, "empty", [])))
+    r = gate(str(make_run(tmp_path, "empty", [])))
     assert r.returncode == 2 and "holds no metrics" in r.stderr
-    r = run_cli(cli(), str(make_run(tmp_path, "badcfg", rows(), {"monitor": {"max_grad_norms": 3}})))
+    r = gate(str(make_run(tmp_path, "badcfg", rows(), {"monitor": {"max_grad_norms": 3}})))
     assert r.returncode == 2 and "did you mean 'monitor.max_grad_norm'" in r.stderr
 
 
@@ -136,21 +143,21 @@ def trainer_rows(n=150, every=10, norms=None, skipped_at=None):
 def test_one_step_spike_in_a_window_fails_the_grad_norm_line(tmp_path):
     spike = trainer_rows(norms={55: 50.0})
     assert spike[5]["grad_norm_mean"] < 10  # the mean over the window would hide it
-    r = run_cli(cli(), str(make_run(tmp_path, "spike", spike)))
+    r = gate(str(make_run(tmp_path, "spike", spike)))
     t = table(r.stdout)
     assert r.returncode == 1 and t["gradient norm under 10"] == ("FAIL", "max 50 at step 60")
-    r = run_cli(cli(), str(make_run(tmp_path, "calm", trainer_rows())))
+    r = gate(str(make_run(tmp_path, "calm", trainer_rows())))
     assert r.returncode == 0, r.stdout
 
 
 def test_skipped_step_fails_and_is_named(tmp_path):
-    r = run_cli(cli(), str(make_run(tmp_path, "skip", trainer_rows(skipped_at=[47]))))
+    r = gate(str(make_run(tmp_path, "skip", trainer_rows(skipped_at=[47]))))
     verdict, fig = table(r.stdout)["no skipped step, no NaN or inf in the losses and gradient norm"]
     assert r.returncode == 1 and verdict == "FAIL" and "skipped step 47" in fig
 
 
 def test_gpu_utilisation_is_read_from_gpu_util(tmp_path):
     busy = rows(gpu_util=lambda s: 92.0, mfu=lambda s: 0.35)
-    r = run_cli(cli(), str(make_run(tmp_path, "busy", busy)))
+    r = gate(str(make_run(tmp_path, "busy", busy)))
     verdict, fig = table(r.stdout)["GPU utilisation over 70%"]
     assert r.returncode == 0 and verdict == "PASS" and "busy 92%" in fig and "MFU 35.0%, under monitor.min_mfu" in fig

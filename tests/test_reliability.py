@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import ROOT, SMALL_MODEL, deadline, run_cli
+from conftest import ROOT, SMALL_MODEL, deadline, rows, run_cli, run_in_process
 
 TINY = [
     *SMALL_MODEL,
@@ -75,6 +75,14 @@ def in_process(*args) -> Result:
     return Result(code, shown + err.getvalue())
 
 
+def exporter(*args) -> Result:
+    "`cipher-export ARGS` in this process (`_export_forced` runs it as a process)."
+    from cipher_nb.persist.hf import cipher_export
+
+    r = run_in_process(cipher_export, *args)
+    return Result(r.returncode, r.stderr, r.stdout)
+
+
 def process(*args, cmd="cipher-train", timeout=120) -> Result:
     r = run_cli(script(cmd), *map(str, args), env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
     return Result(r.returncode, r.stderr, r.stdout)
@@ -105,10 +113,6 @@ def started(*args, wait_for: str, cmd="cipher-train", timeout=120):
 def finish(p, seen, timeout=120) -> Result:
     _, rest = p.communicate(timeout=timeout)
     return Result(p.returncode, "".join(seen) + rest)
-
-
-def rows(run) -> list:
-    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().split("\n")[:-1] if r.strip()]
 
 
 def flip_byte(f: Path):
@@ -386,19 +390,19 @@ def _eval_flipped(tmp, base):
 
 def _export_into_own_final(tmp, base):
     run = copy_of(base, tmp)
-    return process(run, "--format", "hf", run / "final", cmd="cipher-export")
+    return exporter(run, "--format", "hf", run / "final")
 
 
 def _export_into_checkpoints(tmp, base):
     run = copy_of(base, tmp)
-    return process(run, "--format", "hf", run / "checkpoints/hf", cmd="cipher-export")
+    return exporter(run, "--format", "hf", run / "checkpoints/hf")
 
 
 def _export_into_nonempty(tmp, base):
     run = copy_of(base, tmp)
     (tmp / "hf").mkdir()
     (tmp / "hf/notes.txt").write_text("mine")
-    return process(run, "--format", "hf", tmp / "hf", cmd="cipher-export")
+    return exporter(run, "--format", "hf", tmp / "hf")
 
 
 def _export_forced(tmp, base):
@@ -502,7 +506,7 @@ def _stale_lock(tmp, base):
 def _export_into_live_run(tmp, base):
     shutil.copytree(base / "final", tmp / "model")
     with live_run(tmp / "run"):
-        return process(tmp / "model", "--format", "hf", tmp / "run/hf", cmd="cipher-export")
+        return exporter(tmp / "model", "--format", "hf", tmp / "run/hf")
 
 
 WRITERS = [

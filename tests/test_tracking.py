@@ -1,12 +1,10 @@
 """Live tracking through a real `cipher-train` run: W&B offline (read back from its transaction log), a resume that
 continues the same W&B run, and TensorBoard scalars read back with TensorBoard's own EventAccumulator."""
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
-from conftest import ROOT, SMALL_MODEL, run_cli
+from conftest import ROOT, SMALL_MODEL, rows, run_cli
 
 pytest.importorskip("wandb")
 pytest.importorskip("tensorboard")
@@ -34,10 +32,6 @@ def train(out, *args):
     cli = shutil.which("cipher-train") or str(ROOT / ".venv/bin/cipher-train")
     # WANDB_MODE says online: the config's offline mode must win (no network call in this test)
     return run_cli(cli, "--out", str(out), "--quiet", *args, env={"WANDB_MODE": "online", "WANDB_SILENT": "true"})
-
-
-def rows(run):
-    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().split("\n")[:-1] if r.strip()]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_MODEL, run_cli
+from conftest import ROOT, SMALL_MODEL, rows, run_cli
 
 SMALL = [
     *SMALL_MODEL,
@@ -24,11 +24,6 @@ SMALL = [
 
 def cli():
     return shutil.which("cipher-train") or str(ROOT / ".venv/bin/cipher-train")
-
-
-def rows(run):
-    "The complete rows of a run's metrics: a line the run is still writing (no newline yet) is left out."
-    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().split("\n")[:-1] if r.strip()]
 
 
 def train(out, *args, env=None, timeout=600):

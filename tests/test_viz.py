@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_in_process
 from PIL import Image
 
 # a tiny byte-level model with every feature the plots show: two expert populations, a recurrent core,
@@ -66,6 +66,13 @@ def run(tmp_path_factory):
     return out
 
 
+def plot(*args):
+    "cipher-plot ARGS in this process (test_cipher_plot_writes_valid_pngs_with_expected_panels runs it as one)."
+    from cipher_nb.viz.plots import cipher_plot
+
+    return run_in_process(cipher_plot, *args)
+
+
 def test_cipher_plot_writes_valid_pngs_with_expected_panels(run, tmp_path):
     out = tmp_path / "png"
     r = run_cli(script("cipher-plot"), str(run), "--out", str(out), env={"OMP_NUM_THREADS": "1"})
@@ -114,7 +121,7 @@ def test_cipher_plot_default_folder_and_no_boundary_figure_without_export(run, t
     bare.mkdir()
     for f in ("metrics.jsonl", "config.yaml"):
         shutil.copy(run / f, bare / f)
-    r = run_cli(script("cipher-plot"), str(bare))
+    r = plot(str(bare))
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(p.name for p in (bare / "plots").iterdir()) == ["loops.png", "routing.png", "training.png"]
 
@@ -130,6 +137,6 @@ def test_cipher_plot_default_folder_and_no_boundary_figure_without_export(run, t
 def test_cipher_plot_bad_run_dir_fails_clearly(tmp_path, setup, expect):
     d = tmp_path / "nothing"
     setup(d)
-    r = run_cli(script("cipher-plot"), str(d))
+    r = plot(str(d))
     assert r.returncode == 2
     assert "cipher-plot" in r.stderr and expect in r.stderr and "Traceback" not in r.stderr

@@ -1,8 +1,12 @@
 """launch/: the preflight on a CPU machine (fails cleanly without a GPU, passes its other checks with --skip-gpu, names
 each problem), and the torchrun commands the node and multi-node scripts would run."""
 
+import importlib.util
+import io
 import shlex
+import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 from conftest import ROOT, TINY, run_cli
@@ -11,7 +15,20 @@ PY = sys.executable
 
 
 def preflight(*args):
+    "launch/preflight.py as a program, on a machine that shows no GPU."
     return run_cli(PY, str(ROOT / "launch/preflight.py"), *args, env={"CUDA_VISIBLE_DEVICES": ""})
+
+
+def preflight_in_process(*args):
+    "The preflight's main() on ARGS in this process, for the checks that --skip-gpu leaves (no GPU is touched)."
+    assert "--skip-gpu" in args
+    spec = importlib.util.spec_from_file_location("preflight", ROOT / "launch/preflight.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = mod.main([str(a) for a in args])
+    return subprocess.CompletedProcess(["preflight.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def lines(out):
@@ -40,7 +57,7 @@ def test_preflight_fails_cleanly_without_gpu(tmp_path):
 
 def test_preflight_passes_non_gpu_checks_with_flag(tmp_path):
     persist = tmp_path / "persist"
-    r = preflight("--skip-gpu", f"training.persistent_dir={persist}", *TINY, "--out", str(tmp_path / "run"))
+    r = preflight_in_process("--skip-gpu", f"training.persistent_dir={persist}", *TINY, "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stdout + r.stderr
     res = lines(r.stdout)
     assert res["gpu"][0] == "SKIP"
@@ -75,7 +92,7 @@ def test_preflight_names_each_problem(tmp_path, extra, check, expect):
         "INIT": f"stage.init={tmp_path / 'no_such_checkpoint'}",
     }
     extra = [sub.get(e, e) for e in extra]
-    r = preflight("--skip-gpu", *TINY, *extra, "--out", str(tmp_path / "run"))
+    r = preflight_in_process("--skip-gpu", *TINY, *extra, "--out", str(tmp_path / "run"))
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
     res = lines(r.stdout)
     assert res[check][0] == "FAIL" and expect in res[check][1], res[check]

@@ -513,8 +513,15 @@ def forward(self: MoE, x):
     return out
 
 
+def _disable_compile(fn):
+    "`torch.compiler.disable(fn)`, except that dynamo (seconds to import) is imported at `fn`'s first call."
+    fn = torch._disable_dynamo(fn)  # torch's own lazy disable
+    fn._torchdynamo_disable = True  # torch.compiler.disable's mark: dynamo calls `fn` eagerly, never traces into it
+    return fn
+
+
 @patch
-@torch.compiler.disable  # runs eagerly, so that `_in_backward` is asked at run time, never baked into a graph
+@_disable_compile  # runs eagerly, so that `_in_backward` is asked at run time, never baked into a graph
 def _add_load(self: MoE, counts):
     "Add one forward's counts to the pending load, unless autograd is recomputing a checkpointed forward."
     if _in_backward():
