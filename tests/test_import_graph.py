@@ -67,6 +67,12 @@ def test_every_module_comes_from_a_notebook_in_a_band():
     assert PACKAGES == set(BANDS[1:]), PACKAGES
 
 
+def test_each_notebook_is_named_after_its_module():
+    "nbs/05_model_moe.ipynb exports model.moe: the number orders the notebooks, the rest names the module."
+    named = {m: nb.removesuffix(".ipynb").split("_", 1)[1] for m, nb in MODULES.items()}
+    assert {m: n for m, n in named.items() if n != m.replace(".", "_")} == {}
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_imports_point_down_and_to_public_names(name):
     tree = ast.parse((PKG / f"{name.replace('.', '/')}.py").read_text())

@@ -1,5 +1,5 @@
 """torch.compile of a transformer block holding an MoE (CPU, float32, the tiny-cpu preset's widths): the compiled
-block equals the eager one forward and backward, breaks its graph only where documented in nbs/05_moe.ipynb, and
+block equals the eager one forward and backward, breaks its graph only where documented in nbs/05_model_moe.ipynb, and
 does not recompile on a second call with the same shapes."""
 
 import copy

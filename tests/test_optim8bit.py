@@ -27,7 +27,7 @@ SETTINGS = [  # a small FSDP2 run on CPU with the 8-bit optimizer
 ]
 # torchao compiles its step once per parameter shape, which on two CPU cores costs more than the rest of this file;
 # what is checked here (exact resume, background == blocking) does not depend on it, so the step runs eagerly.
-# The compiled step on DTensor parameters is checked in nbs/08a_optim.ipynb.
+# The compiled step on DTensor parameters is checked in nbs/08a_optim_optimizers.ipynb.
 ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 
 

@@ -55,7 +55,7 @@ def test_every_parameter_has_exactly_one_role(case):
     assert ("head" in roles.values()) == (not cfg.model.tie_embeddings)
 
 
-# the old rule, as 08a_optim had it before the roles: the reference the role-based groups must reproduce
+# the old rule, as the optimizer notebook had it before the roles: the reference the role-based groups must reproduce
 OLD_MUON_SKIP = ("embed", "head", "router", "boundary", "lora", "memory")
 OLD_KEY = {new: old for old, new in ROLE_ALIASES.items()}  # routed_expert -> experts: the substring it was
 

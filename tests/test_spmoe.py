@@ -1,6 +1,6 @@
-"""Shared-projection experts (`model.moe.kind = 'shared_projection'`, nbs/05_moe.ipynb): every path against a float64
-loop that materialises each expert's full matrices (forward and backward), dropless under a skewed load, the sizing
-formulas against a hand count and the real module, a whole model that trains, and a compiled block."""
+"""Shared-projection experts (`model.moe.kind = 'shared_projection'`, nbs/05_model_moe.ipynb): every path against a
+float64 loop that materialises each expert's full matrices (forward and backward), dropless under a skewed load, the
+sizing formulas against a hand count and the real module, a whole model that trains, and a compiled block."""
 
 import copy
 import dataclasses

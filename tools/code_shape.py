@@ -60,6 +60,6 @@ if __name__ == "__main__":
     print(f"export cells with a test right below: {tested}/{len(ex)} = {tested / len(ex):.0%}")
     print(f"functions taking the whole Config: {len(whole)} in {len({f[0] for f in whole})} modules")
     print("largest functions: " + ", ".join(f"{m}.{n} ({k} lines)" for m, n, k, _ in largest))
-    for nb in ("10_trainer",):
+    for nb in ("10_train_trainer",):
         mine = [e for e in ex if e[0] == nb]
         print(f"{nb}: {sum(e[2] for e in mine)}/{len(mine)} export cells tested right below")
