@@ -136,6 +136,9 @@ class Curriculum:
         ]
 
     def __repr__(self):
+        if getattr(self.schedule, "horizon", self.max_steps) is None:  # a time budget before its first plan
+            frac = self.data.bp_fixed_frac
+            return f"Curriculum({len(self.phases)} phases, adaptive BP after {frac:.0%} of the steps a budget plans)"
         return (
             f"Curriculum({len(self.phases)} phases over {self.max_steps} steps, adaptive BP from step {self.bp_switch})"
         )
