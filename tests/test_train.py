@@ -216,12 +216,21 @@ def test_refinement_on_differently_cut_data_is_refused(tmp_path):
 
 
 def test_a_time_budget_plans_the_steps_and_records_them(tmp_path):
+    "The planned steps, never the budget's cap, in the progress line, the record and the model card; the sizes too."
     run = tmp_path / "run"
     r = train(run, *SMALL, "training.log_every=5", "--time-budget", "4s")
     assert r.returncode == 0, r.stderr[-2000:]
-    sched = json.loads((run / "record.json").read_text())["schedule"]
-    assert sched["time_budget_s"] == 4.0 and sched["steps"] == rows(run)[-1]["step"] > 5, sched
-    assert yaml_max_steps(run) == 10**9  # the budget decided, not the preset's max_steps
+    rec = json.loads((run / "record.json").read_text())
+    sched, last = rec["schedule"], rows(run)[-1]["step"]
+    assert sched["time_budget_s"] == 4.0 and sched["max_steps"] == last > 5, sched
+    assert yaml_max_steps(run) == 10**9  # the budget decided, not the preset's max_steps (a cap, shown nowhere)
+    out = r.stdout + r.stderr
+    shown = [int(ln.split("/")[1].split()[0]) for ln in out.splitlines() if ln.startswith("step ") and "/?" not in ln]
+    assert shown and shown[-1] == last and max(shown) < 10**6, shown  # each line: the plan as it stood
+    assert f"'max_steps': {last}," in (run / "final/README.md").read_text()
+    assert str(10**9) not in out and "for 4s" in r.stderr, r.stderr[-2000:]
+    assert rec["parameters"]["total"] == rec["parameters"]["trainable"] > rec["parameters"]["active"] > 0
+    assert f"parameters: {rec['parameters']['total']:,} total" in r.stderr
 
 
 def yaml_max_steps(run) -> int:

@@ -85,13 +85,36 @@ class Curriculum:
     "Phase, data mixture and boundary-predictor mode of each optimizer step (`data.phases`, `data.bp_fixed_frac`)."
 
     def __init__(self, data: DataConfig, schedule: ScheduleConfig):
-        self.phases = parse_phases(data, schedule.max_steps)
-        self.max_steps = schedule.max_steps
-        self.bp_switch = step_boundary(data.bp_fixed_frac, schedule.max_steps)  # first adaptive step
-        self._ends = [p.end for p in self.phases]
+        "`schedule`: what has `max_steps`: the config's (a fixed horizon) or the trainer's plan (re-planned)."
+        self.data, self.schedule, self._fitted = data, schedule, None
+        self.fit()
+
+    @property
+    def max_steps(self) -> int:
+        "The horizon the phases are fractions of, read from the schedule at every call."
+        return self.schedule.max_steps
+
+    def fit(self):
+        "Phase ends and the first adaptive step over the current horizon (again only when the plan has moved)."
+        if self._fitted != self.max_steps:
+            T = self.max_steps
+            self._phases, self._bp_switch = parse_phases(self.data, T), step_boundary(self.data.bp_fixed_frac, T)
+            self._ends, self._fitted = [p.end for p in self._phases], T
+
+    @property
+    def phases(self) -> list:
+        self.fit()
+        return self._phases
+
+    @property
+    def bp_switch(self) -> int:
+        "The first step in 'adaptive' mode."
+        self.fit()
+        return self._bp_switch
 
     def phase(self, step: int) -> int:
         "The index of the phase `step` belongs to."
+        self.fit()
         for i, end in enumerate(self._ends):
             if step < end:
                 return i
@@ -113,6 +136,9 @@ class Curriculum:
         ]
 
     def __repr__(self):
+        if getattr(self.schedule, "horizon", self.max_steps) is None:  # a time budget before its first plan
+            frac = self.data.bp_fixed_frac
+            return f"Curriculum({len(self.phases)} phases, adaptive BP after {frac:.0%} of the steps a budget plans)"
         return (
             f"Curriculum({len(self.phases)} phases over {self.max_steps} steps, adaptive BP from step {self.bp_switch})"
         )

@@ -94,7 +94,8 @@ class RunRecord:
     codec: dict = field(default_factory=dict)
     mode: str = "full"  # full | lora
     optimizer: dict = field(default_factory=dict)
-    schedule: dict = field(default_factory=dict)
+    schedule: dict = field(default_factory=dict)  # the plan: a time budget's planned steps once it has measured them
+    parameters: dict = field(default_factory=dict)  # {total, active, trainable}
     world_size: int = 1
     hardware: dict = field(default_factory=dict)
     precision: dict = field(default_factory=dict)  # {requested, used}
@@ -177,7 +178,10 @@ def run_record(
             lr_mult=dict(o.lr_mult),
             grad_clip=o.grad_clip,
         ),
-        schedule=dict(lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps, max_steps=s.max_steps),
+        # under a time budget, max_steps is only a cap: the trainer writes the planned steps
+        schedule=dict(
+            lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps, max_steps=None if s.time_budget else s.max_steps
+        ),
         world_size=ws,
         hardware=hardware_info(),
         precision=dict(requested=t.precision),

@@ -149,10 +149,10 @@ class StageHooks:
         "The model to train (SFT: with LoRA adapters)."
         return model
 
-    def data(self, rank: int, world_size: int) -> tuple:
-        "The training loader and the held-out batches (none when `has_heldout` says there are none)."
+    def data(self, rank: int, world_size: int, plan=None) -> tuple:
+        "The training loader (its curriculum on `plan`, the trainer's, else the config's horizon) and held-out batches."
         cfg = self.cfg
-        train = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "train", rank, world_size)
+        train = build_loader(cfg.data, cfg.training, plan or cfg.schedule, cfg.model.vocab, "train", rank, world_size)
         if not has_heldout(cfg.data):
             return train, []
         heldout = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "heldout", rank, world_size)

@@ -6,9 +6,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_builder.html.md"""
 
 # %% auto #0
 __all__ = ['NO_HELDOUT', 'BUDGET_MAX_STEPS', 'RUN_FILES', 'codec_description', 'RunCheckpoints', 'MoEBalancing', 'stage_hooks',
-           'init_distributed', 'resume_source', 'check_start', 'heldout_eval', 'build_trainer', 'truncate_metrics',
-           'restore', 'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'never_started', 'backup_name',
-           'claim_run_dir']
+           'init_distributed', 'resume_source', 'check_start', 'parameter_counts', 'parameter_line', 'heldout_eval',
+           'build_trainer', 'truncate_metrics', 'restore', 'resolve_run', 'run_summary', 'RunDirError', 'holds_run',
+           'never_started', 'backup_name', 'claim_run_dir']
 
 # %% ../../nbs/11a_train_builder.ipynb #c0aa1c89
 import json
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from fastcore.basics import patch
 
 import cipher_nb.persist.files as ck
@@ -30,6 +31,7 @@ from cipher_nb.config.load import (
     Config,
     ConfigError,
     DataConfig,
+    ModelConfig,
     ScheduleConfig,
     apply_overrides,
     config_from_dict,
@@ -37,7 +39,7 @@ from cipher_nb.config.load import (
     read_preset,
     save_config,
 )
-from ..config.sizing import flops_per_token
+from ..config.sizing import flops_per_token, param_counts
 from ..core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
 from ..data.codecs import build_codec
 from ..data.curriculum import Curriculum
@@ -60,7 +62,7 @@ from ..persist.record import run_record
 from ..persist.stages import StageHooks, check_init_source, check_resume
 from .sft import SFTHooks
 from .tracking import logger_callbacks
-from .trainer import Trainer
+from .trainer import Schedule, Trainer
 
 # %% ../../nbs/11a_train_builder.ipynb #3519f067
 def codec_description(codec, data: DataConfig) -> dict:
@@ -174,6 +176,21 @@ def check_start(cfg: Config, source, fingerprint: str, hooks: StageHooks, world_
     elif cfg.stage.name != "pretrain" and source is None:
         raise ConfigError(f"stage.name = '{cfg.stage.name}' starts from the previous stage's weights: give --init PATH")
 
+# %% ../../nbs/11a_train_builder.ipynb #dc4951f7
+def parameter_counts(model: nn.Module, m: ModelConfig) -> dict:
+    "Total and trainable parameters of the built `model`, and the active ones per token of its config `m`."
+    return dict(
+        total=sum(p.numel() for p in model.parameters()),
+        active=param_counts(m)["active"],
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+    )
+
+
+def parameter_line(counts: dict) -> str:
+    "The start-of-run line of `parameter_counts`."
+    c = counts
+    return f"parameters: {c['total']:,} total, {c['active']:,} active per token, {c['trainable']:,} trainable"
+
 # %% ../../nbs/11a_train_builder.ipynb #4d0211cc
 def heldout_eval(byte_lengths):
     "The evaluation of a run: `heldout_metrics` over the trainer's held-out batches."
@@ -203,6 +220,9 @@ def build_trainer(
     if cfg.stage.init:
         load_weights(cfg.stage.init, model)
     model = hooks.model(model)
+    params = parameter_counts(model, cfg.model)  # before the parallel wrapper shards them
+    if env.is_main:
+        print(parameter_line(params), file=sys.stderr)
     choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
     kernels = (
         convert_model(model, choice, min_dim=cfg.training.fp8_min_dim)
@@ -211,7 +231,8 @@ def build_trainer(
     )
     wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)
     optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
-    loader, heldout = hooks.data(env.rank, env.world_size)
+    plan = Schedule(cfg.schedule)  # the horizon's one owner: the trainer, its curriculum and the loader's read it
+    loader, heldout = hooks.data(env.rank, env.world_size, plan)
     if not heldout and env.is_main:
         print(NO_HELDOUT, file=sys.stderr)
     if env.is_main:  # every check and every input has passed: the run directory is written from here on
@@ -227,6 +248,7 @@ def build_trainer(
         source=source or (cfg.stage.init or None),
         run_name=run_dir.name,
     )
+    record.parameters = params
     record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
     record.kernels = dict(parallel_info)  # the trainer replaces it with what ran, after the first step
     record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
@@ -241,7 +263,7 @@ def build_trainer(
         env=env,
         dtype=choice.dtype,
         scaler=torch.amp.GradScaler(device.type) if choice.scaler else None,
-        curriculum=Curriculum(cfg.data, cfg.schedule),
+        curriculum=Curriculum(cfg.data, plan),
         monitor=MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups),
         eval_fn=heldout_eval(lengths) if heldout else None,
         heldout=heldout,
@@ -262,6 +284,7 @@ def build_trainer(
         gpu_util=GPUUtilization(device).start() if device.type == "cuda" else None,
         flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len),
         peak_flops=device_peak_flops(device),
+        schedule=plan,
     )
     if source is not None:
         restore(trainer, source)
@@ -297,7 +320,7 @@ def restore(trainer: Trainer, path: Path):
         print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
 
 # %% ../../nbs/11a_train_builder.ipynb #7b9f0b34
-BUDGET_MAX_STEPS = 10**9  # a time-budgeted run without --max-steps: no cap but the budget
+BUDGET_MAX_STEPS = 10**9  # the cap of a time-budgeted run without --max-steps (none); the plan is the horizon
 
 
 def resolve_run(

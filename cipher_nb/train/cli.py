@@ -219,7 +219,9 @@ def cipher_train(
         except (ConfigError, ck.CheckpointError, DataError, FileNotFoundError, ValueError) as e:
             exit_with(EXIT_USAGE, str(e))
         if trainer.is_main:
-            print(f"training {cfg.schedule.max_steps} steps, run directory: {run_dir}", file=sys.stderr)
+            n, budget = trainer.schedule.horizon, cfg.schedule.time_budget
+            what = f"{n} steps" if n else f"for {budget} (the steps are planned from their measured cost)"
+            print(f"training {what}, run directory: {run_dir}", file=sys.stderr)
         trainer.fit(progress=not quiet, reraise=False)
         stop.at_once = False  # the run is over: nothing left to stop
         summary = run_summary(trainer) if trainer.is_main else ""

@@ -427,8 +427,8 @@ class SFTHooks(StageHooks):
         self.cfg = validate(cfg)
         return cfg
 
-    def data(self, rank: int, world_size: int) -> tuple:
-        t = self.cfg.training
+    def data(self, rank: int, world_size: int, plan=None) -> tuple:
+        t = self.cfg.training  # conversations in epochs, no phases: the plan is not read
         loader = SFTLoader(self._arrays("train"), t.batch_size, t.grad_accum, rank, world_size, t.seed)
         return loader, heldout_batches(self._arrays("heldout"), t.batch_size, rank, world_size)
 

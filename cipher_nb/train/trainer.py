@@ -138,6 +138,12 @@ class Schedule:
         self.budget = parse_duration(config.time_budget) if config.time_budget else None  # seconds of training
         self.train_seconds = 0.0  # training time spent, in this process and before a resume
         self.timed = [0, 0.0]  # steps and seconds this process measured after its first warm-up steps
+        self.planned = self.budget is None  # a budget's step count is known once a step's cost has been measured
+
+    @property
+    def horizon(self) -> int | None:
+        "The planned step count every consumer shows (progress, record, card, ETA); None before a budget's first plan."
+        return self.max_steps if self.planned else None
 
     def lr(self, step: int) -> float:
         "The learning rate of optimizer step `step` under the current plan."
@@ -158,36 +164,38 @@ class Schedule:
         planned = min(self.config.max_steps, step + int(left / (spent / n)))
         if agree is not None:  # every rank takes the same plan
             planned = agree(planned)
-        if self.max_steps == self.config.max_steps:  # the first plan: fit the warmup too
+        if not self.planned:  # the first plan: fit the warmup too
             self.warmup_steps = min(self.warmup_steps, planned // 10)
-        self.max_steps = max(planned, step)
+        self.max_steps, self.planned = max(planned, step), True
         return True
 
     def report(self) -> dict:
-        "What the budget bought, for the run record's `schedule` (nothing without a budget)."
+        "The plan, for the run record's `schedule`: its steps and warmup, and what a time budget bought."
+        plan = dict(max_steps=self.horizon, warmup_steps=self.warmup_steps)
         if self.budget is None:
-            return {}
-        return dict(
-            time_budget_s=self.budget,
-            steps=self.max_steps,
-            warmup_steps=self.warmup_steps,
-            train_seconds=round(self.train_seconds, 1),
-        )
+            return plan
+        return dict(plan, time_budget_s=self.budget, train_seconds=round(self.train_seconds, 1))
 
     def state_dict(self) -> dict:
         "The plan and the time spent: the schedule's part of a checkpoint."
-        return dict(max_steps=self.max_steps, warmup_steps=self.warmup_steps, train_seconds=self.train_seconds)
+        return dict(
+            max_steps=self.max_steps,
+            warmup_steps=self.warmup_steps,
+            train_seconds=self.train_seconds,
+            planned=self.planned,
+        )
 
     def load_state_dict(self, d: dict):
         "A budgeted run resumes with its plan and the time it has spent; otherwise the plan stays the config's."
         if self.budget is not None:
             self.max_steps, self.warmup_steps = int(d["max_steps"]), int(d["warmup_steps"])
             self.train_seconds = float(d["train_seconds"])
+            self.planned = bool(d.get("planned", True))  # a checkpoint from before the first plan: still to plan
 
 # %% ../../nbs/10_train_trainer.ipynb #5ccfdacd
-def progress_line(row: dict, max_steps: int) -> str:
-    "One plain line per log row: step, losses, lr, gradient norm, throughput, MFU."
-    parts = [f"step {row['step']:>6}/{max_steps}", f"loss {row['loss']:.4f}"]
+def progress_line(row: dict, max_steps: int | None) -> str:
+    "One line per log row: step of the planned steps (`?` before a budget's first plan), losses, lr, gnorm, speed."
+    parts = [f"step {row['step']:>6}/{max_steps or '?'}", f"loss {row['loss']:.4f}"]
     if "val/loss" in row:
         parts.append(f"val {row['val/loss']:.4f}")
     if "val/bpb" in row:
@@ -244,6 +252,7 @@ class Trainer:
         clock=time.perf_counter,  # what training time is measured with, for the time budget (a fake in tests)
         flops_per_token: float = None,
         peak_flops: float = None,
+        schedule: "Schedule" = None,  # the plan (default: cfg.schedule's on `clock`); the curriculum reads the same one
     ):
         # what the run is made of
         self.cfg, self.model, self.optimizer, self.loader = cfg, model, optimizer, loader
@@ -262,7 +271,7 @@ class Trainer:
         self.clip_groups = clip_groups(self.raw_model, cfg.optim.clip_groups)  # by parameter role
         self.bp_params = params_with_role(self.raw_model, "boundary")
         # the plan: how many steps the run takes, and its warmup (schedule.time_budget re-plans both)
-        self.schedule = Schedule(cfg.schedule, clock)
+        self.schedule = schedule or Schedule(cfg.schedule, clock)
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
         self.nonfinite_run = 0  # non-finite steps in a row
@@ -456,7 +465,7 @@ class Trainer:
                 f.write(json.dumps(row) + "\n")
         if bar is not None and "loss" in row:
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_per_s']:,.0f}")
-            bar.write(progress_line(row, self.schedule.max_steps))
+            bar.write(progress_line(row, self.schedule.horizon))
 
     # evaluation, checkpoints, the stop
     def evaluate(self) -> dict:
@@ -473,6 +482,7 @@ class Trainer:
             self.monitor.on_eval(self, metrics)
         if self.record is not None and self.is_main:
             self.record.add_eval(self.step, metrics, self.tokens)
+            self.record.schedule.update(self.schedule.report())  # the plan as it stands
             self.record.save(self.run_dir / "record.json")
         if self.checkpoints is not None:
             with self.stop.saving():
@@ -493,11 +503,13 @@ class Trainer:
         "Export the final weights (`RUN/final/`) and put their hashes in the run record."
         if self.checkpoints is None:
             return
+        if self.record is not None and self.is_main:  # the model card, written with the export, reads the plan
+            self.record.schedule.update(self.schedule.report())  # the steps taken; what a time budget bought
+            self.record.save(self.run_dir / "record.json")
         with self.stop.saving():
             hashes = self.checkpoints.export(self)
         if self.record is not None and self.is_main:
             self.record.export = hashes
-            self.record.schedule.update(self.schedule.report())  # what a time budget bought
             self.record.selection_rule = "final/ is the last step; best/ has the lowest val/loss"
             self.record.save(self.run_dir / "record.json")
 
@@ -524,7 +536,7 @@ class Trainer:
         self.model.train()
         self.stop.install()
         show = progress and self.is_main
-        bar = tqdm(total=plan.max_steps, initial=self.step, disable=not show, dynamic_ncols=True, leave=False)
+        bar = tqdm(total=plan.horizon, initial=self.step, disable=not show, dynamic_ncols=True, leave=False)
         window, since, nth = [], time.perf_counter(), 0  # since: the log window's start
         try:
             if t.eval_at_start and self.step == 0:  # the starting point (SFT: the source checkpoint)
@@ -537,8 +549,8 @@ class Trainer:
                 plan.record_step_time(plan.clock() - started, nth)
                 if nth == 1:
                     self.note_kernels()
-                if plan.replan(self.step, self.min_over_ranks) and bar.total != plan.max_steps:
-                    bar.total = plan.max_steps  # a time budget: the plan follows the step cost
+                if plan.replan(self.step, self.min_over_ranks) and bar.total != plan.horizon:
+                    bar.total = plan.horizon  # a time budget: the plan follows the step cost
                 if res is None:  # skipped: not finite
                     continue
                 window.append(res)

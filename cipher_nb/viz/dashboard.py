@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/viz_dashboard.html.md"""
 
 # %% auto #0
 __all__ = ['in_jupyter', 'plot_latest_load', 'panel_chars', 'plot_warnings', 'status_line', 'has_experts', 'dashboard_figure',
-           'LiveDashboard']
+           'planned_steps', 'LiveDashboard']
 
 # %% ../../nbs/13a_viz_dashboard.ipynb #55eba2d4
 import html
@@ -130,6 +130,12 @@ def dashboard_figure(
         fig.suptitle(title, fontsize=10)
     return fig
 
+# %% ../../nbs/13a_viz_dashboard.ipynb #7254eccf
+def planned_steps(trainer) -> int | None:
+    "The steps a run will take: its plan's horizon (None before a time budget's first plan), else the config's."
+    plan = getattr(trainer, "schedule", None)
+    return plan.horizon if plan is not None else trainer.cfg.schedule.max_steps
+
 # %% ../../nbs/13a_viz_dashboard.ipynb #6c5d1fe8
 class LiveDashboard(Callback):
     "Trainer callback: loss, throughput, expert load, warnings redrawn every `interval` s (widget, else a PNG)."
@@ -158,7 +164,8 @@ class LiveDashboard(Callback):
         if len(self._clock) < 2:
             return None
         (t0, s0), (t1, s1) = self._clock[-2], self._clock[-1]
-        return (trainer.cfg.schedule.max_steps - s1) * (t1 - t0) / (s1 - s0) if s1 > s0 else None
+        horizon = planned_steps(trainer)
+        return (horizon - s1) * (t1 - t0) / (s1 - s0) if s1 > s0 and horizon else None
 
     def due(self) -> bool:
         "Time for a clock redraw: the first one, or `interval` s since the last (longer after a slow redraw)."
@@ -224,7 +231,7 @@ def update(self: LiveDashboard, trainer, final: bool = False):
     t0 = self.clock()
     cfg = getattr(trainer, "cfg", None)  # a stand-in trainer may have none
     eta = self.eta(trainer) if cfg else None
-    status = status_line(self.rows, cfg.schedule.max_steps if cfg else None, eta, getattr(trainer, "step", None))
+    status = status_line(self.rows, planned_steps(trainer) if cfg else None, eta, getattr(trainer, "step", None))
     fig = None
     if final or len(self.rows) != self._drawn:
         sections = dict(model=cfg.model, monitor=cfg.monitor, sft=cfg.stage.name == "sft") if cfg else {}
@@ -245,7 +252,9 @@ def on_reuse(self: LiveDashboard, run_dir):
     "Show the final frame of a finished run that `run_once` reused instead of training (its warnings are not kept)."
     rows, cfg = load_run(run_dir)
     self.rows, self._drawn = rows, len(rows)
-    status = f"{Path(run_dir)}: finished run reused | " + status_line(rows, cfg.schedule.max_steps)
+    status = f"{Path(run_dir)}: finished run reused | " + status_line(
+        rows, None if cfg.schedule.time_budget else cfg.schedule.max_steps
+    )
     fig = dashboard_figure(rows, None, cfg.model, cfg.monitor, cfg.stage.name == "sft", "" if self.widget else status)
     self.draws += 1
     if self.widget:
