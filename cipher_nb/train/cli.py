@@ -219,6 +219,8 @@ def cipher_train(
         except (ConfigError, ck.CheckpointError, DataError, FileNotFoundError, ValueError) as e:
             exit_with(EXIT_USAGE, str(e))
         if trainer.is_main:
+            for w in trainer.record.warnings:  # the runbook's guard rails this run breaks: warned, not refused
+                print(f"cipher-train: warning: {w}", file=sys.stderr)
             print(f"training {cfg.schedule.max_steps} steps, run directory: {run_dir}", file=sys.stderr)
         trainer.fit(progress=not quiet, reraise=False)
         stop.at_once = False  # the run is over: nothing left to stop
