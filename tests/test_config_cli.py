@@ -142,6 +142,27 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     assert p.optim.name == "muon" and {k for k, v in asdict(p.optim).items() if v != asdict(d.optim)[k]} == {"name"}
 
 
+def test_the_runbooks_guard_rails_warn_and_do_not_refuse():
+    "An MoE without warmup, or above 3e-4 in bf16 (auto: bf16 on a GPU): one line each on stderr, exit 0, YAML intact."
+    r = config("examples/configs/h100.yaml")
+    assert r.returncode == 0 and r.stderr == "", r.stderr  # the runbook's own numbers
+    r = config("examples/configs/h100.yaml", "schedule.warmup_steps=0", "schedule.lr=1e-3")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [
+        "cipher-config: warning: schedule.warmup_steps = 0 on an MoE: the cipher-training runbook says DO NOT skip "
+        "warmup (routers need warmup before the full learning rate)",
+        "cipher-config: warning: schedule.lr = 0.001 on an MoE with training.precision = auto (bf16 on a GPU): the "
+        "cipher-training runbook says 0.0003 is the max for a BF16 MoE",
+    ]
+    assert (
+        yaml.safe_load("\n".join(x for x in r.stdout.splitlines() if not x.startswith("#")))["schedule"]["lr"] == 1e-3
+    )
+    r = config("examples/configs/h100.yaml", "schedule.lr=1e-3", "training.precision=fp32")
+    assert r.returncode == 0 and r.stderr == ""  # the rule is about bf16
+    r = config("examples/configs/wide-h100.yaml", "schedule.warmup_steps=0", "schedule.lr=1e-3")
+    assert r.returncode == 0 and r.stderr == ""  # a dense model has no router
+
+
 def test_a_key_given_twice_is_one_line_with_exit_code_2(tmp_path):
     "PyYAML keeps the last of two equal keys: the first `training:` section would be dropped without a word."
     dup = tmp_path / "dup.yaml"

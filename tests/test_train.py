@@ -65,6 +65,7 @@ def test_default_run_writes_the_run_directory(tmp_path):
     kernels = {"compiled": False, "activation_checkpoint": "none", "attention": "sdpa", "moe": "grouped"}
     assert rec["kernels"] == kernels, rec["kernels"]
     assert rec["optimizer"]["kind"] == "adamw"
+    assert rec["warnings"] == [] and "warning" not in r.stderr  # lr 1e-3 breaks no rule in fp32 (auto on a CPU)
 
 
 def test_sigterm_saves_and_resume_auto_finishes(tmp_path):
@@ -157,9 +158,15 @@ def test_out_of_memory_exits_3_and_keeps_the_last_checkpoint(tmp_path):
 
 
 def test_a_short_smoke_run_shortens_the_warmup(tmp_path):
-    "--max-steps 3 with the default 30 warmup steps runs, and says it shortened the warmup."
-    r = train(tmp_path / "run", "--max-steps", "3", *SMALL_MODEL, "training.seq_len=64", "training.batch_size=4")
+    """--max-steps 3 with the default 30 warmup steps runs, and says it shortened the warmup; in bf16 at lr 1e-3 the
+    runbook's two guard rails warn (no warmup, lr over 3e-4) on stderr and in the record, and the run goes on."""
+    args = ("--max-steps", "3", "--precision", "bf16", *SMALL_MODEL, "training.seq_len=64", "training.batch_size=4")
+    r = train(tmp_path / "run", *args)
     assert r.returncode == 0 and "warmup_steps shortened from 30 to 0" in r.stderr, r.stderr[-2000:]
+    said = [line.removeprefix("cipher-train: warning: ") for line in r.stderr.splitlines() if " warning: " in line]
+    assert [w.split(" = ")[0] for w in said] == ["schedule.warmup_steps", "schedule.lr"], r.stderr[-2000:]
+    assert "DO NOT skip warmup" in said[0] and "training.precision = bf16" in said[1]
+    assert json.loads((tmp_path / "run" / "record.json").read_text())["warnings"] == said
 
 
 def test_no_heldout_data_logs_no_val_metrics(tmp_path):

@@ -16,7 +16,7 @@ from dataclasses import replace
 import yaml
 
 from ..cli import command, is_command
-from .load import Config, ConfigError, ModelConfig, config_hash, load_config
+from .load import Config, ConfigError, ModelConfig, config_hash, load_config, runbook_warnings
 
 # %% ../../nbs/01d_config_sizing.ipynb #73cb5b4c
 def attention_params(cfg: ModelConfig) -> int:
@@ -183,4 +183,6 @@ def cipher_config(
             raise
         print(f"cipher-config: invalid config: {e}", file=sys.stderr)
         return 2  # a usage or config error, as for cipher-train
+    for w in runbook_warnings(cfg.model, cfg.schedule, cfg.training.precision):  # on stderr: stdout stays YAML
+        print(f"cipher-config: warning: {w}", file=sys.stderr)
     print(describe(cfg))

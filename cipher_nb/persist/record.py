@@ -107,6 +107,7 @@ class RunRecord:
     selection_rule: str = ""
     export: dict = field(default_factory=dict)  # file -> SHA-256
     limitations: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # the runbook's guard rails this run broke (config.load)
     created: str = field(default_factory=utc_now)
     updated: str = ""
 

@@ -37,6 +37,7 @@ from cipher_nb.config.load import (
     config_from_dict,
     load_config,
     read_preset,
+    runbook_warnings,
     save_config,
 )
 from ..config.sizing import flops_per_token, param_counts
@@ -252,6 +253,7 @@ def build_trainer(
     record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
     record.kernels = dict(parallel_info)  # the trainer replaces it with what ran, after the first step
     record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
+    record.warnings = runbook_warnings(cfg.model, cfg.schedule, choice.mode)  # the precision that runs here
     lengths = torch.as_tensor(codec.byte_lengths)
     trainer = Trainer(
         cfg,

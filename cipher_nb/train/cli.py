@@ -219,6 +219,8 @@ def cipher_train(
         except (ConfigError, ck.CheckpointError, DataError, FileNotFoundError, ValueError) as e:
             exit_with(EXIT_USAGE, str(e))
         if trainer.is_main:
+            for w in trainer.record.warnings:  # the runbook's guard rails this run breaks: warned, not refused
+                print(f"cipher-train: warning: {w}", file=sys.stderr)
             n, budget = trainer.schedule.horizon, cfg.schedule.time_budget
             what = f"{n} steps" if n else f"for {budget} (the steps are planned from their measured cost)"
             print(f"training {what}, run directory: {run_dir}", file=sys.stderr)
