@@ -245,7 +245,7 @@ def _card_gate(gate: dict | None) -> list:
 
 # %% ../../nbs/09c_persist_export.ipynb #1293f73e
 def _heldout_limit(data: dict) -> str:
-    if data.get("heldout") == "none":
+    if data.get("heldout") == "none" or data.get("heldout_targets") == 0:
         return "No held-out data: the run reports no held-out figure, so nothing here measures generalisation."
     if "heldout_targets" not in data:
         return ""

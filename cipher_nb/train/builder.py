@@ -224,7 +224,7 @@ def build_trainer(
         run_name=run_dir.name,
     )
     record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
-    record.data.update(heldout_size(heldout) if heldout else {})  # the card's limits name the held-out size
+    record.data.update(heldout_size(heldout))  # the card's limits name the held-out size (or its absence)
     record.kernels = dict(parallel_info)  # the trainer replaces it with what ran, after the first step
     record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
     lengths = torch.as_tensor(codec.byte_lengths)
