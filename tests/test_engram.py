@@ -63,6 +63,7 @@ def test_engram_trains_and_logs_its_gate(tmp_path, name, extra):
     for r in train:
         assert 0 < r["engram/gate"] < 1 and r["engram/norm"] > 0
         assert r["engram/gate"] == pytest.approx((r["engram/layer0_gate"] + r["engram/layer1_gate"]) / 2, rel=1e-5)
+        assert r["engram/norm"] == pytest.approx((r["engram/layer0_norm"] + r["engram/layer1_norm"]) / 2, rel=1e-5)
     g = memory_group(tr.optimizer.param_groups)
     assert sorted(g["names"]) == TABLES
     assert g["lr_mult"] == 5.0 and g["weight_decay"] == 0.0

@@ -316,3 +316,40 @@ def test_detection_on_this_machine_matches_the_device():
         assert choice.mode in ("bf16", "fp16")  # auto never picks a low-precision mode
     libs = probe_libs()
     assert libs.float8, libs.why  # torchao is a dependency: its float8 path must import
+
+
+def test_failed_conversion_falls_back_to_bf16_and_the_record_says_so(tmp_path, monkeypatch, capsys):
+    "A run asked for fp8 whose conversion raises trains in bf16: one stderr line; the record and card say why."
+    from dataclasses import asdict
+
+    from conftest import TINY
+
+    import cipher_nb.optim.precision as prec
+    import cipher_nb.train.builder as builder
+    from cipher_nb.config.load import load_config
+    from cipher_nb.persist.export import model_card
+
+    def broken(*a, **k):
+        raise RuntimeError("injected: no fp8 kernel for this layer")
+
+    asked = detect_precision("fp8", DeviceCaps(), emulate=True)  # what a GPU would choose, emulated on this CPU
+    monkeypatch.setattr(builder, "detect_precision", lambda *a, **k: asked)
+    monkeypatch.setattr(prec, "_convert_dense", broken)
+    corpus = tmp_path / "corpus"  # a few small files: fingerprinting the whole stdlib would cost seconds
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20)
+    over = ["training.precision=fp8", "training.fp8_min_dim=0", "data.source=files", f"data.path={corpus}"]
+    cfg = load_config(None, [*TINY, *over, "data.heldout_frac=0.25", "training.eval_batches=1"])
+    tr = builder.build_trainer(cfg, tmp_path / "run", progress=False)
+    p = tr.record.precision
+    assert (p["requested"], p["mode"], tr.dtype) == ("fp8", "bf16", torch.bfloat16)
+    assert "injected: no fp8 kernel" in p["fallback"] and "fell back to bf16" in p["reason"]
+    assert tr.record.data["heldout_targets"] > 0  # the held-out size the card names
+    err = [line for line in capsys.readouterr().err.splitlines() if "training in bf16 instead" in line]
+    assert len(err) == 1 and "fp8 conversion failed" in err[0]
+    assert all(
+        type(m) is nn.Linear for m in tr.raw_model.modules() if isinstance(m, nn.Linear)
+    )  # nothing half-converted
+    card = model_card(cfg.to_dict(), {}, asdict(tr.record)).split("## Limitations")[1]
+    assert "asked for fp8, trained in bf16 (fp8 conversion failed (RuntimeError: injected" in card

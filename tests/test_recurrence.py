@@ -142,7 +142,9 @@ def test_recurrent_every_piece_under_activation_checkpointing():
         out = model.train()(x, labels=x)
         (out.loss + sum(out.aux.values())).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
+        grads[-1]["loop/grad_norm"] = out.stats["loop/grad_norm"]  # the per-loop hooks see the same gradients
     assert grads[0].keys() == grads[1].keys()
+    assert grads[0]["loop/grad_norm"][0] > 0  # (an untrained halting unit stops every token at loop 2: loop 3 gets 0)
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7, msg=n)
 
@@ -180,3 +182,4 @@ def test_recurrent_every_piece_on_trains():
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < losses[0] - 0.5, losses
     assert 1.0 <= out.stats["loop/mean_loops"].item() <= 3.0
+    assert out.stats["loop/grad_norm"].shape == (3,) and torch.isfinite(out.stats["loop/grad_norm"]).all()

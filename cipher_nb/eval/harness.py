@@ -7,7 +7,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_harness.html.md"""
 # %% auto #0
 __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuations', 'load_mc', 'multiple_choice', 'filter_probs',
            'Sampling', 'sampling_of', 'prompt_ids', 'can_cache', 'left_pad', 'stream_batch', 'sample_batch',
-           'sample_ids', 'generate', 'generate_batch', 'stream_text', 'load_model', 'cipher_eval']
+           'sample_ids', 'generate', 'generate_batch', 'stream_text', 'load_model', 'mc_protocol', 'mc_entry',
+           'record_benchmark', 'cipher_eval']
 
 # %% ../../nbs/12_eval_harness.ipynb #d7db4f55
 import json
@@ -32,7 +33,9 @@ from ..model.boundary import check_bp_mode
 from ..model.lm import CipherModel, ModelOutput, cache_blocker
 from ..monitor.metrics import heldout_metrics
 from ..persist.checkpointer import load_weights
-from ..persist.export import CODEC_FILE, TOKENIZER_FILE, export_codec
+from ..persist.checksum import file_sha256
+from ..persist.export import CODEC_FILE, TOKENIZER_FILE, export_codec, refresh_card
+from ..persist.record import RunRecord
 from cipher_nb.train.sft import (
     ChatTemplate,
     Example,
@@ -351,6 +354,48 @@ def load_model(path, device="cpu") -> tuple:
     codec = export_codec(path) if carried else build_codec(cfg.data)
     return model.to(resolve_device(str(device))).eval(), cfg, codec
 
+# %% ../../nbs/12_eval_harness.ipynb #15c7a04d
+def mc_protocol(model: nn.Module, codec, items, sep: str = " ") -> dict:
+    "What fixes a multiple-choice score besides the model: items, dtype, longest scored sequence, template, scoring."
+    longest = max(
+        (1 + len(codec.encode(it["context"])) + max(len(codec.encode(sep + c)) for c in it["choices"])) for it in items
+    )
+    return dict(
+        n=len(items),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        max_len=longest,  # ids, BOS included; nothing is truncated
+        template=f"none (the context as plain text, each choice after {sep!r})",
+        scoring="sum of log-probabilities (acc), per byte (acc_norm)",
+    )
+
+
+def mc_entry(path, mc, labels, result: dict, protocol: dict) -> dict:
+    "The record's entry for one multiple-choice result: the model, the file and its hash, the scores, the protocol."
+    files = [Path(mc)] + ([Path(labels)] if labels else [])
+    split = dict(split=" + ".join(f.name for f in files), sha256=[file_sha256(f) for f in files])
+    return dict(
+        name=Path(mc).name,
+        model=str(path),
+        step=ck.read_meta(path).get("step"),
+        n=result["n"],
+        acc=result["acc"],
+        acc_norm=result["acc_norm"],
+        protocol={**split, **protocol},
+    )
+
+
+def record_benchmark(path, entry: dict) -> Path:
+    "Append `entry` to the `record.json` of the run holding `path` (an export or checkpoint) and refresh its card."
+    path = Path(path).resolve()
+    run = next((d for d in (path, path.parent, path.parent.parent) if (d / "record.json").is_file()), None)
+    if run is None:
+        raise ck.CheckpointError(f"--record: no record.json in {path} or the two folders above it (a cipher-train run)")
+    rec = RunRecord.load(run / "record.json")
+    rec.benchmarks.append(entry)
+    rec.save(run / "record.json")
+    refresh_card(run / "final")
+    return run / "record.json"
+
 # %% ../../nbs/12_eval_harness.ipynb #70fffeba
 @command(pos=["path"])
 def cipher_eval(
@@ -366,11 +411,14 @@ def cipher_eval(
     top_p: float = 0.95,
     seed: int = 0,
     device: str = "auto",
+    record: bool = False,  # keep the multiple-choice result, with its protocol, in the run's record.json and model card
 ):
     """Held-out bits per byte, zero-shot multiple choice and a sample from a saved cipher_nb model.
     Exit codes: 0 done, 1 the evaluation failed, 2 bad input (a missing, damaged or changed model, a bad file)."""
     if path is None:
         refuse(cipher_eval, "give the path of an export (RUN/final) or a checkpoint")
+    if record and not mc:
+        refuse(cipher_eval, "--record keeps a multiple-choice result: give --mc FILE with it")
     try:
         model, cfg, codec = load_model(path, device)
         res = {}
@@ -387,6 +435,11 @@ def cipher_eval(
             print(
                 f"multiple choice ({Path(mc).name}, {r['n']} items): acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f}"
             )
+            if record:
+                at = record_benchmark(
+                    path, mc_entry(path, mc, mc_labels, r, mc_protocol(model, codec, load_mc(mc, mc_labels)))
+                )
+                print(f"kept in {at} (and the model card beside it)")
         if prompt is not None:
             opts = Sampling(max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
             res["sample"] = generate(model, codec, [dict(role="user", content=prompt)] if chat else prompt, opts)

@@ -117,7 +117,7 @@ class MemoryReads:
         return x + out
 
     def stats(self) -> dict:
-        "`engram/gate`, `engram/norm` (means over layers) and `engram/layerN_gate` (each layer's mean over reads)."
+        "`engram/gate`, `engram/norm` (means over layers), `engram/layerN_gate` and `_norm` (per layer, over reads)."
         if not self.seen:
             return {}
         per = {i: torch.stack(v).mean(0) for i, v in sorted(self.seen.items())}
@@ -126,6 +126,7 @@ class MemoryReads:
             "engram/gate": mean[0],
             "engram/norm": mean[1],
             **{f"engram/layer{i}_gate": v[0] for i, v in per.items()},
+            **{f"engram/layer{i}_norm": v[1] for i, v in per.items()},
         }
 
 # %% ../../nbs/05e_model_engram.ipynb #6965dd0e

@@ -7,12 +7,13 @@ Docs: https://cipher-nb.github.io/cipher_nb/model_recurrence.html.md"""
 # %% auto #0
 __all__ = ['LTI_MIN_RATE', 'LTI_INIT_DECAY', 'HALT_INIT_BIAS', 'LTIInjection', 'LoopLoRA', 'build_injection', 'inject_input',
            'merged_injection', 'HaltingUnit', 'ACTHalting', 'act_weights', 'token_similarity', 'loop_stats',
-           'RecurrentStack']
+           'watch_loop_grad', 'core_grad_norms', 'RecurrentStack']
 
 # %% ../../nbs/05c_model_recurrence.ipynb #5833243b
 import copy
 import math
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -184,6 +185,29 @@ def loop_stats(states: list, entropies: list) -> dict:
         out["loop/entropy"], out["loop/token_entropy"] = ents[:, 0], ents[:, 1]
     return out
 
+# %% ../../nbs/05c_model_recurrence.ipynb #051097d2
+def _store_norm(norms: torch.Tensor, k: int, grad: torch.Tensor):
+    "Tensor hook: the L2 norm of the gradient reaching loop k's output into `norms[k]`; the gradient passes unchanged."
+    with torch.no_grad():
+        norms[k] = grad.detach().float().norm()
+
+
+def watch_loop_grad(norms: torch.Tensor, k: int, state: torch.Tensor):
+    "Have the backward pass write the norm of the gradient of loop k's output `state` into `norms[k]`."
+    if state.requires_grad:
+        state.register_hook(partial(_store_norm, norms, k))
+
+# %% ../../nbs/05c_model_recurrence.ipynb #d42fa109
+def core_grad_norms(layers, rcfg) -> dict:
+    "`grad_norm/core_layerN`: the gradient norm of each core layer (recurrence section `rcfg`), as device scalars."
+    out = {}
+    for i in range(rcfg.n_prelude, rcfg.n_prelude + rcfg.n_core):
+        grads = [p.grad for p in layers[i].parameters() if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads).detach()
+            out[f"grad_norm/core_layer{i}"] = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2
+    return out
+
 # %% ../../nbs/05c_model_recurrence.ipynb #81dd3953
 class RecurrentStack(nn.Module):
     "Main blocks as prelude -> core x loops -> coda, with the core's injection, per-loop adapters and ACT halting."
@@ -229,6 +253,7 @@ def core(self: RecurrentStack, blocks, e, ctx: Context, first: int, n_loops=None
     lora, act = getattr(self, "loop_lora", None), ACTHalting(r.halt_threshold) if r.halting else None
     decoding = cache is not None and cache.t > 0
     state, states, entropies = torch.zeros_like(e), [], []
+    grads = e.new_zeros(loops, dtype=torch.float32)  # filled by the backward pass (`watch_loop_grad`)
     for k in range(loops):
         if decoding and k >= cache.depth:  # earlier positions never ran loop k: only a recompute is exact
             raise CacheMiss(f"loop {k} of the recurrent core is not cached (depth {cache.depth})")
@@ -238,11 +263,14 @@ def core(self: RecurrentStack, blocks, e, ctx: Context, first: int, n_loops=None
             state = run_blocks(blocks, inject_input(self.inject, state, e, lora, k), here, first)
             if act is not None:
                 act.step(self.halt(state), state, last=k == loops - 1)
+            watch_loop_grad(grads, k, state)
         if here.entropy:
             entropies.append(torch.stack(here.entropy).mean(0))  # over the core's MoE layers
         states.append(state.detach() if cache is None else None)
         if act is not None and not torch.is_grad_enabled() and (not decoding or k + 1 >= cache.depth) and act.done:
             break  # evaluation: every token has halted (a decode step also fills every loop the cache holds)
+    if cache is None and torch.is_grad_enabled():  # training: the loops' gradient norms, after backward
+        ctx.stats["loop/grad_norm"] = grads[: len(states)]
     if cache is not None:  # the prompt sets how many loops every position keeps
         cache.depth = len(states) if not decoding else cache.depth
     out = state if act is None else act.output.to(state.dtype)  # ACT: the halting-weighted mix of the loop states

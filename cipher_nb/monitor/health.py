@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..callbacks import Callback
 from ..config.load import ModelConfig, MonitorConfig
+from ..model.recurrence import core_grad_norms
 from ..model.roles import param_roles
 from .metrics import mem_gb
 
@@ -481,11 +482,15 @@ class MonitorCallback(Callback):
         self.groups = list(groups)
         self.warnings = []  # every Threat issued, in order
         self._active = {"log": set(), "eval": set()}  # threat names seen at the last row of each kind
-        self._norms = {}  # group gradient norms of the step being logged (device tensors)
+        self._norms = {}  # group (and core-layer) gradient norms of the step being logged (device tensors)
+        self.core = model.recurrence if model.recurrence.enabled else None  # grad_norm/core_layerN of its layers
 
     def after_backward(self, trainer):
-        if self.groups and (trainer.step + 1) % self.log_every == 0:
-            self._norms = group_grad_norms(trainer.model, self.groups)
+        if (trainer.step + 1) % self.log_every:
+            return
+        self._norms = group_grad_norms(trainer.model, self.groups) if self.groups else {}
+        if self.core is not None:
+            self._norms.update(core_grad_norms(getattr(trainer, "raw_model", trainer.model).layers, self.core))
 
     def on_log(self, trainer, metrics: dict):
         if not getattr(trainer, "is_main", True):

@@ -8,14 +8,16 @@ Docs: https://cipher-nb.github.io/cipher_nb/optim_precision.html.md"""
 __all__ = ['PRECISIONS', 'LOW_PRECISION', 'MIN_CAPABILITY', 'FP8_RECIPES', 'FP8_MIN_DIM', 'MX_BLOCK', 'DeviceCaps',
            'probe_device', 'LibCaps', 'quiet_imports', 'probe_libs', 'PrecisionChoice', 'detect_precision',
            'size_problem', 'high_precision_reason', 'operand_kind', 'matmul_flops', 'MatmulCounter', 'expert_weights',
-           'MXFP8Linear', 'layer_pattern', 'conversion_summary', 'convert_model']
+           'MXFP8Linear', 'layer_pattern', 'conversion_summary', 'convert_model', 'fell_back', 'convert_or_fall_back']
 
 # %% ../../nbs/08_optim_precision.ipynb #ecceb87d
 import collections
 import contextlib
+import copy
 import dataclasses
 import importlib
 import logging
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import get_args
@@ -130,6 +132,7 @@ class PrecisionChoice:
     recipe: str = ""  # fp8: torchao's float8 scaling recipe
     emulate: bool = False  # low-precision matmuls emulated in high precision (CPU tests)
     tried: list = field(default_factory=list)  # [(mode, why it was not used)], in the order tried
+    fallback: str = ""  # why the conversion to the chosen low-precision mode failed (the run then trains in bf16)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -149,6 +152,7 @@ class PrecisionChoice:
             emulate=self.emulate,
             reason=self.reason,
             tried=[list(t) for t in self.tried],
+            fallback=self.fallback,
         )
 
 # %% ../../nbs/08_optim_precision.ipynb #e3570371
@@ -576,3 +580,30 @@ def convert_model(
             )
     report["summary"] = conversion_summary(report)
     return report
+
+# %% ../../nbs/08_optim_precision.ipynb #d7bf6f58
+def fell_back(choice: PrecisionChoice, why: str) -> PrecisionChoice:
+    "`choice` after its low-precision conversion failed for reason `why`: bf16, with what was asked and why it changed."
+    return dataclasses.replace(
+        choice,
+        mode="bf16",
+        reason=f"{why}: fell back to bf16",
+        recipe="",
+        emulate=False,
+        tried=[*choice.tried, (choice.mode, why)],
+        fallback=why,
+    )
+
+
+def convert_or_fall_back(model: nn.Module, choice: PrecisionChoice, **kw) -> tuple:
+    "(model, choice, report): `model` converted for a low-precision `choice`, or left untouched in bf16 if that fails."
+    if choice.mode not in LOW_PRECISION:
+        return model, choice, {}
+    trial = copy.deepcopy(model)  # a failed conversion may leave layers half converted: the original stays clean
+    try:
+        report = convert_model(trial, choice, **kw)
+    except Exception as e:  # any failure inside torchao or the probe: the run goes on in bf16
+        why = f"{choice.mode} conversion failed ({type(e).__name__}: {str(e)[:300]})"
+        print(f"cipher_nb: {why}; training in bf16 instead", file=sys.stderr, flush=True)
+        return model, fell_back(choice, why), {}
+    return trial, choice, report

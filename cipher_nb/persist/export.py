@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_export.html.md"""
 # %% auto #0
 __all__ = ['CODEC_FILE', 'TOKENIZER_FILE', 'CHAT_TEMPLATE_FILE', 'CARD_FILE', 'CODEC_CHAT_TEMPLATE', 'CARD_LIMITATIONS',
            'tied_names', 'compare_state_dicts', 'byte_codec_spec', 'write_codec_files', 'chat_template_source',
-           'model_card', 'export_model', 'export_dir', 'export_codec', 'load']
+           'run_limitations', 'model_card', 'export_model', 'refresh_card', 'export_dir', 'export_codec', 'load']
 
 # %% ../../nbs/09c_persist_export.ipynb #f3b0b16a
 import json
@@ -22,6 +22,7 @@ from torch import nn
 from ..config.load import config_from_dict
 from ..data.codecs import ByteCodec, TokenizerCodec
 from ..model.lm import CipherModel
+from ..monitor.gate import GATE_FILE
 from .checkpointer import is_sharded, load_weights
 from .checksum import file_sha256
 from cipher_nb.persist.files import (
@@ -35,8 +36,10 @@ from cipher_nb.persist.files import (
     fsync_dir,
     install_marked,
     load_exported,
+    marker_sums,
     verify_checkpoint,
     write_durable,
+    write_marker,
 )
 
 # %% ../../nbs/09c_persist_export.ipynb #18f9cad4
@@ -205,6 +208,67 @@ def _card_training(config: dict, record: dict) -> list:
         out.append(f"- config hash `{record['config_hash']}`")
     return out + [""]
 
+# %% ../../nbs/09c_persist_export.ipynb #74bfa21d
+def _card_benchmarks(record: dict) -> list:
+    rows = record.get("benchmarks") or []
+    if not rows:
+        return []
+    out = [
+        "## Zero-shot multiple choice",
+        "",
+        "| benchmark | items | acc | acc_norm | protocol |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for b in rows:
+        p = b.get("protocol") or {}
+        how = ", ".join(f"{k} {v}" for k, v in p.items() if k not in ("file", "sha256"))
+        out.append(f"| {b.get('name')} | {b.get('n')} | {b.get('acc', 0):.4f} | {b.get('acc_norm', 0):.4f} | {how} |")
+    return out + [""]
+
+
+def _card_gate(gate: dict | None) -> list:
+    out = ["## Verification gate", ""]
+    if not gate:
+        return out + [
+            "Not gated when this card was written: `cipher-gate RUN` judges the run and writes gate.json.",
+            "",
+        ]
+    verdict = "PASS" if gate.get("passed") else "FAIL"
+    out.append(f"{verdict} over {gate.get('rows', '?')} log rows (to step {gate.get('last_step', '?')}):")
+    out.append("")
+    word = {True: "PASS", False: "FAIL", None: "SKIP"}
+    return (
+        out
+        + [f"- {word[g.get('passed')]} {g.get('criterion')}: {g.get('figure')}" for g in gate.get("lines", [])]
+        + [""]
+    )
+
+# %% ../../nbs/09c_persist_export.ipynb #1293f73e
+def _heldout_limit(data: dict) -> str:
+    if data.get("heldout") == "none" or data.get("heldout_targets") == 0:
+        return "No held-out data: the run reports no held-out figure, so nothing here measures generalisation."
+    if "heldout_targets" not in data:
+        return ""
+    return (
+        f"Each held-out figure reads {data['heldout_targets']:,} target ids ({data['heldout_sequences']} sequences in "
+        f"{data['heldout_batches']} batches, chosen by {data.get('heldout', '?')}): differences smaller than its noise "
+        "mean nothing, and runs compare only on the same split."
+    )
+
+
+def run_limitations(record: dict) -> list:
+    "The limits a run's record shows: the held-out size, unpinned data sources, a precision asked for but not used."
+    data, p, out = record.get("data") or {}, record.get("precision") or {}, []
+    out.append(_heldout_limit(data))
+    if data.get("unpinned"):
+        out.append(
+            f"Data sources not pinned to a commit ({', '.join(data['unpinned'])}): a rerun may read different data."
+        )
+    asked, ran = p.get("requested"), p.get("mode")
+    if ran and asked not in (None, "auto", ran):
+        out.append(f"Precision: asked for {asked}, trained in {ran} ({p.get('fallback') or p.get('reason', '')}).")
+    return [x for x in out if x]
+
 # %% ../../nbs/09c_persist_export.ipynb #c2cb86f4
 CARD_LIMITATIONS = (
     "A research model trained with cipher_nb: it has not been evaluated for safety, bias or factual accuracy.",
@@ -212,8 +276,10 @@ CARD_LIMITATIONS = (
 )
 
 
-def model_card(config: dict, codec: dict, record: dict | None = None, n_params: int = 0) -> str:
-    "The export's README.md, from the run record (when there is one) and the config."
+def model_card(
+    config: dict, codec: dict, record: dict | None = None, n_params: int = 0, gate: dict | None = None
+) -> str:
+    "The export's README.md, from the run record (when there is one), the config and the gate's verdict (`gate.json`)."
     record = record or {}
     name = record.get("run_name") or (config.get("training") or {}).get("run_name") or "cipher_nb model"
     out = [
@@ -239,8 +305,8 @@ def model_card(config: dict, codec: dict, record: dict | None = None, n_params: 
         "",
     ]
     out += _card_model(config, codec, n_params) + _card_data(config, record)
-    out += _card_evals(record) + _card_training(config, record)
-    lims = [*record.get("limitations", []), *CARD_LIMITATIONS]
+    out += _card_evals(record) + _card_benchmarks(record) + _card_gate(gate) + _card_training(config, record)
+    lims = [*record.get("limitations", []), *run_limitations(record), *CARD_LIMITATIONS]
     return "\n".join(out + ["## Limitations", "", *[f"- {x}" for x in lims], ""])
 
 # %% ../../nbs/09c_persist_export.ipynb #cf2e97bc
@@ -263,6 +329,15 @@ def _run_record(out_dir: Path) -> dict:
         return {}
 
 
+def _run_gate(out_dir: Path) -> dict | None:
+    "cipher-gate's verdict beside `RUN/final` (`gate.json`), or None when the run has not been gated."
+    f = out_dir.parent / GATE_FILE
+    try:
+        return json.loads(f.read_text()) if f.is_file() else None
+    except ValueError:
+        return None
+
+
 def _write_extras(tmp: Path, config: dict, codec: dict, record: dict, n_params: int) -> list:
     "The codec or tokenizer, the chat template and the model card; return the names written."
     names = write_codec_files(tmp, config, codec)
@@ -270,7 +345,7 @@ def _write_extras(tmp: Path, config: dict, codec: dict, record: dict, n_params: 
     if tpl is not None:
         write_durable(tmp / CHAT_TEMPLATE_FILE, tpl.encode())
         names.append(CHAT_TEMPLATE_FILE)
-    write_durable(tmp / CARD_FILE, model_card(config, codec, record, n_params).encode())
+    write_durable(tmp / CARD_FILE, model_card(config, codec, record, n_params, _run_gate(tmp)).encode())
     return names + [CARD_FILE]
 
 
@@ -319,6 +394,23 @@ def export_model(
         raise
     install_marked(tmp, out_dir, sums, tensors_checked=len(sd))  # the marker hashes the card and codec files
     return {f: sums[f] for f in (EXPORT_WEIGHTS, EXPORT_CONFIG, META)}  # what the run record keeps
+
+# %% ../../nbs/09c_persist_export.ipynb #a2d74ef0
+def refresh_card(path) -> bool:
+    "Rewrite an export's model card from the run record and gate.json beside it; False when `path` holds no card."
+    path = Path(path)
+    if not (path / CARD_FILE).is_file():
+        return False
+    marker = verify_checkpoint(path)  # an export changed since it was written is left alone
+    header = json.loads((path / EXPORT_CONFIG).read_text())
+    card = model_card(
+        header["config"], header.get("codec") or {}, _run_record(path), header.get("n_params", 0), _run_gate(path)
+    )
+    tmp = path / f".{CARD_FILE}.tmp"
+    sums = {**marker_sums(marker), CARD_FILE: write_durable(tmp, card.encode())}
+    os.replace(tmp, path / CARD_FILE)
+    write_marker(path, sums, **{k: v for k, v in marker.items() if k not in ("files", "sha256", "time", "extras")})
+    return True
 
 # %% ../../nbs/09c_persist_export.ipynb #c8d45327
 def export_dir(path) -> Path:

@@ -50,7 +50,7 @@ from ..model.moe import MoE, update_moe_biases
 from ..monitor.health import MonitorCallback
 from ..monitor.metrics import GPUUtilization, device_peak_flops, heldout_metrics
 from ..optim.optimizers import build_optimizer, optimizer_kind
-from ..optim.precision import convert_model, detect_precision
+from ..optim.precision import convert_or_fall_back, detect_precision
 from cipher_nb.persist.checkpointer import (
     Checkpointer,
     checkpoint_meta,
@@ -59,7 +59,7 @@ from cipher_nb.persist.checkpointer import (
     training_state,
 )
 from ..persist.export import export_model
-from ..persist.record import run_record
+from ..persist.record import heldout_size, run_record
 from ..persist.stages import StageHooks, check_init_source, check_resume
 from .sft import SFTHooks
 from .tracking import logger_callbacks
@@ -225,11 +225,7 @@ def build_trainer(
     if env.is_main:
         print(parameter_line(params), file=sys.stderr)
     choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
-    kernels = (
-        convert_model(model, choice, min_dim=cfg.training.fp8_min_dim)
-        if choice.mode in ("fp8", "mxfp8", "nvfp4")
-        else {}
-    )
+    model, choice, kernels = convert_or_fall_back(model, choice, min_dim=cfg.training.fp8_min_dim)  # bf16 if it fails
     wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)
     optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
     plan = Schedule(cfg.schedule)  # the horizon's one owner: the trainer, its curriculum and the loader's read it
@@ -251,6 +247,7 @@ def build_trainer(
     )
     record.parameters = params
     record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
+    record.data.update(heldout_size(heldout))  # the card's limits name the held-out size (or its absence)
     record.kernels = dict(parallel_info)  # the trainer replaces it with what ran, after the first step
     record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
     record.warnings = runbook_warnings(cfg.model, cfg.schedule, choice.mode)  # the precision that runs here
