@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_MODEL, rows, run_cli
+from conftest import ROOT, SMALL_MODEL, TINY, rows, run_cli, run_in_process
 
 SMALL = [
     *SMALL_MODEL,
@@ -108,7 +108,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     "N steps straight == k steps, SIGKILL, resume to N: the same losses and the same final weights, bit for bit."
     from safetensors.torch import load_file
 
+    # with dropout: its masks come from the torch RNG, which the checkpoint must restore for the resume to be exact
     args = ["--max-steps", "12", "training.log_every=1", "training.checkpoint_every=6", "training.eval_every=6", *SMALL]
+    args.append("model.dropout=0.1")
     a, b = tmp_path / "straight", tmp_path / "killed"
     assert train(a, *args).returncode == 0
     r = train(b, *args, "--fault", "kill@6")
@@ -244,3 +246,18 @@ def yaml_max_steps(run) -> int:
     import yaml
 
     return yaml.safe_load((run / "config.yaml").read_text())["schedule"]["max_steps"]
+
+
+def test_early_stopping_ends_the_run_at_its_patience(tmp_path):
+    "A held-out loss that cannot fall (a rate of 1e-30 leaves a dense model's weights as they are): exit 0 at step 6."
+    from cipher_nb.train.cli import cipher_train
+
+    run = tmp_path / "run"
+    flat = ["model.moe.n_routed=0", "schedule.lr=1e-30", "schedule.min_lr=0", "data.source=mock"]
+    cadence = ["training.eval_every=2", "training.eval_batches=1", "training.early_stop_patience=2"]
+    r = run_in_process(cipher_train, "--out", run, "--quiet", "--max-steps", "40", *TINY, *flat, *cadence)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "early stop at step 6" in r.stderr and "run finished at step 6" in r.stderr, r.stderr[-2000:]
+    stop = json.loads((run / "record.json").read_text())["schedule"]["early_stop"]
+    assert (stop["step"], stop["best_step"], stop["exported_step"]) == (6, 2, 2), stop
+    assert rows(run)[-1]["step"] == 6 and (run / "final/model.safetensors").exists()

@@ -331,6 +331,7 @@ def model_rules(m: ModelConfig) -> list:
             f"model.boundary.threshold_momentum ({bp.threshold_momentum}) must lie in [0, 1)",
         ),
         (bp.hinge_sigmas >= 0, f"model.boundary.hinge_sigmas ({bp.hinge_sigmas}) cannot be negative"),
+        (0 <= m.dropout < 1, f"model.dropout ({m.dropout}) must lie in [0, 1): the share of activations dropped"),
         (
             not bp.enabled or m.vocab == 272,
             f"model.boundary.enabled needs the byte vocabulary: model.vocab is {m.vocab}, expected 272",
@@ -407,6 +408,8 @@ def validate(cfg: Config) -> Config:
     rules = [*model_rules(cfg.model), *schedule_rules(cfg.schedule), *data_rules(cfg.data), *sft_rules(cfg.sft)]
     corr = cfg.monitor.max_token_corr
     rules.append((0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"))
+    wd = cfg.optim.memory_weight_decay
+    rules.append((0 <= wd < math.inf, f"optim.memory_weight_decay ({wd}) must be >= 0 and finite"))
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)

@@ -165,6 +165,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    dropout: float = 0.0  # in training: on attention's output, each residual branch and Engram's reads; 0 = off
     loss_chunk: int = 1024  # tokens per chunk of the fused cross-entropy; 0 = one plain pass
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -229,6 +230,7 @@ class TrainConfig:
     max_nonfinite: int = 5  # consecutive skipped steps before the run stops
     eval_batches: int = 48  # held-out batches per evaluation (tiny-cpu: the whole stdlib held-out split)
     eval_at_start: bool = False  # also evaluate before the first step (SFT: the source checkpoint)
+    early_stop_patience: int = 0  # evaluations without a lower val/loss before the run ends (best/ exported); 0 = off
     checkpoint_every: int = cosmetic(400)
     eval_every: int = cosmetic(400)
     log_every: int = cosmetic(10)
@@ -258,6 +260,7 @@ class OptimConfig:
     betas: list = list_field(0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1  # schedule.lr x weight_decay per step, on the matrices (all with decay_all)
+    memory_weight_decay: float = 0.0  # the Engram tables' (role memory); 0 = none (decay_all: weight_decay)
     grad_clip: float = 1.0  # the global gradient norm is clipped to this
     decay_all: bool = False  # False: no weight decay on norms, biases and embeddings
     lr_mult: dict = dict_field(boundary=0.1, memory=5.0)  # parameter role -> learning-rate multiplier
@@ -365,6 +368,7 @@ AT_LEAST = {  # field -> (the least value that works, what the field counts)
     "training.eval_batches": (1, "held-out batches per evaluation (data.heldout_frac=0 turns evaluation off)"),
     "training.keep_last": (0, "step checkpoints kept (0 keeps every one)"),
     "training.max_nonfinite": (1, "non-finite steps in a row before the run stops"),
+    "training.early_stop_patience": (0, "evaluations without a lower val/loss before the run ends (0 = never)"),
     "training.fp8_min_dim": (0, "the width from which fp8 converts a linear layer"),
     "training.seed": (0, "the random seed"),
     "optim.bp_freeze_steps": (-1, "steps with the boundary predictor frozen (-1 = schedule.warmup_steps)"),

@@ -276,6 +276,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, self.nkv * self.hd, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.nkv * self.hd, bias=False)
         self.wo = nn.Linear(self.nh * self.hd, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)  # on the heads' output: every kernel, the same numerics
         self.kernel = ""  # the kernel of the last call (read for the run record)
 
     def forward(self, x, cos, sin, mask=None, kv: KVSlot = None):
@@ -287,7 +288,7 @@ class Attention(nn.Module):
         if kv is not None:  # generation: store this step's keys and values, read every cached one
             k, v = kv.update(k, v)
         mask = mask if isinstance(mask, AttnMask) else AttnMask("sdpa", dense=mask)
-        y = attend(q, k, v, mask)  # [B, nh, T, hd]
+        y = self.drop(attend(q, k, v, mask))  # [B, nh, T, hd]
         self.kernel = mask.kernel
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
@@ -315,6 +316,7 @@ class LatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(self.r, eps=cfg.norm_eps)
         self.wkv_b = nn.Linear(self.r, self.nh * 2 * self.hd, bias=False)  # per head: [no-RoPE key, value]
         self.wo = nn.Linear(self.nh * self.hd, d, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)  # on the heads' output, as `Attention`'s
         self.kernel, self.absorb = "", True  # absorb: decode steps score against the latent (see below)
 
     def query(self, x):
@@ -351,7 +353,7 @@ def forward(self: LatentAttention, x, cos, sin, mask=None, kv: KVSlot = None):
         k_nope, v = self.expand(c)
         k = torch.cat([k_nope, k_rope.expand(-1, self.nh, -1, -1)], -1)
         y = attend(torch.cat([q_nope, q_rope], -1), k, v, mask)  # the default scale: 1/sqrt(hd + dr)
-    return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+    return self.wo(self.drop(y).transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
 def build_attention(cfg: ModelConfig) -> nn.Module:

@@ -82,6 +82,7 @@ class Engram(nn.Module):
         self.wo = nn.Linear(width, d, bias=False)  # the memory's value, written into the residual stream
         self.key_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
         self.query_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)  # on what the memory adds (training only): the gate is kept whole
         self.register_buffer("mult", hash_multipliers(seed, e.max_ngram, e.n_heads), persistent=False)
         self.register_buffer("offset", torch.arange(n_tables) * e.table_size, persistent=False)  # first row of each
 
@@ -94,7 +95,7 @@ class Engram(nn.Module):
         e = self.lookup(windows)
         score = (self.query_norm(h) * self.key_norm(self.wk(e))).sum(-1) / math.sqrt(h.shape[-1])
         gate = torch.sigmoid(score)
-        return gate[..., None] * self.wo(e), gate
+        return self.drop(gate[..., None] * self.wo(e)), gate
 
 # %% ../../nbs/05e_model_engram.ipynb #b6149fbc
 class MemoryReads:

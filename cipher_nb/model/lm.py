@@ -77,17 +77,18 @@ class Block(nn.Module):
         self.attn = build_attention(cfg)  # GQA or MLA
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = MoE(cfg) if moe else SwiGLU(cfg.d_model, cfg.dense_d_ff)
+        self.drop = nn.Dropout(cfg.dropout)  # each residual branch, before its add (training only)
 
     def forward(self, x, cos, sin, mask=None, kv=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv)
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, mask, kv))
         if kv is not None:  # generation: the output alone, no aux losses or statistics
-            return x + ffn_output(self.ffn, self.ffn_norm(x)), {}, {}
+            return x + self.drop(ffn_output(self.ffn, self.ffn_norm(x))), {}, {}
         h = self.ffn(self.ffn_norm(x))
         if isinstance(h, tuple):
             h, aux, stats = h
         else:
             aux, stats = {}, {}
-        return x + h, aux, stats
+        return x + self.drop(h), aux, stats
 
 # %% ../../nbs/06_model_lm.ipynb #71cff089
 class _FusedLinearCE(torch.autograd.Function):

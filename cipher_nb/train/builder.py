@@ -61,6 +61,7 @@ from cipher_nb.persist.checkpointer import (
 from ..persist.export import export_model
 from ..persist.record import heldout_size, run_record
 from ..persist.stages import StageHooks, check_init_source, check_resume
+from .early_stop import early_stopping
 from .sft import SFTHooks
 from .tracking import logger_callbacks
 from .trainer import Schedule, Trainer
@@ -277,6 +278,7 @@ def build_trainer(
         callbacks=[
             MoEBalancing(),
             *hooks.callbacks(run_dir),
+            *early_stopping(cfg.training),
             *logger_callbacks(cfg.logging, run_dir, env.is_main, cfg.to_dict()),
             *callbacks,
         ],
