@@ -341,7 +341,7 @@ class Trainer:
     def bp_freeze_steps(self) -> int:
         "Optimizer steps during which the boundary predictor's parameters keep their initial values."
         o = self.cfg.optim
-        return self.cfg.schedule.warmup_steps if o.bp_freeze_steps < 0 else o.bp_freeze_steps
+        return self.schedule.warmup_steps if o.bp_freeze_steps < 0 else o.bp_freeze_steps  # the plan's warmup
 
     @property
     def bp_frozen(self) -> bool:
