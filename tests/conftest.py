@@ -1,8 +1,10 @@
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -36,6 +38,56 @@ SMALL_MODEL = [
 ]
 
 
+# the uninterrupted run every single-process kill-and-resume test compares with (test_train, test_scale_out's
+# supervisor): a checkpoint and an evaluation half way, where the faults land
+RESUME_STEPS, RESUME_EVERY = 6, 3
+RESUME = [
+    *SMALL_MODEL,
+    "training.seq_len=64",
+    "training.batch_size=4",
+    "training.eval_batches=1",
+    "schedule.warmup_steps=1",
+    f"schedule.max_steps={RESUME_STEPS}",
+    "training.log_every=1",
+    f"training.checkpoint_every={RESUME_EVERY}",
+    f"training.eval_every={RESUME_EVERY}",
+]
+# a tiny byte-level model with every feature the plots show: two expert populations, a recurrent core,
+# a boundary predictor
+FEATURES = [
+    "model.d_model=32",
+    "model.attention.n_heads=2",
+    "model.attention.n_kv_heads=1",
+    "model.attention.head_dim=16",
+    "model.n_layers=3",
+    "model.recurrence.n_prelude=1",
+    "model.recurrence.n_core=1",
+    "model.recurrence.n_coda=1",
+    "model.recurrence.n_loops=2",
+    "model.boundary.enabled=true",
+    "model.moe.n_routed=4",
+    "model.moe.n_pop_a=2",
+    "model.moe.top_k=1",
+    "model.moe.expert_d_ff=32",
+    "model.moe.n_dense_layers=0",
+    "training.seq_len=64",
+    "training.batch_size=2",
+    "schedule.warmup_steps=2",
+    "training.log_every=2",
+    "training.eval_every=3",
+    "training.eval_batches=2",
+    "training.checkpoint_every=3",
+    "schedule.max_steps=6",
+]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # tiny models train faster on one thread; runs compared bit for bit share it
+
+
+def script(name: str) -> str:
+    "The path of a console script installed beside this interpreter (or on PATH)."
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name) or str(ROOT / ".venv/bin" / name)
+
+
 def run_cli(*args, timeout=600, env=None, cwd=None):
     "Run a console script (or python -m module) in a subprocess; return the CompletedProcess."
     e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -58,6 +110,39 @@ def run_in_process(command, *args, pos: list = None):
 def rows(run) -> list:
     "The complete rows of a run's metrics: a line the run is still writing (no newline yet) is left out."
     return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().split("\n")[:-1] if r.strip()]
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory) -> Path:
+    "RESUME trained from start to end in one process: the reference of the kill-and-resume tests, trained once."
+    out = tmp_path_factory.mktemp("straight") / "run"
+    r = run_cli(script("cipher-train"), *RESUME, "--out", str(out), "--quiet", env=ONE_THREAD, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def features_run(tmp_path_factory) -> Path:
+    "FEATURES trained for 6 steps, with an export: the run the plot tests draw (test_viz, test_notebook_kernel)."
+    out = tmp_path_factory.mktemp("features") / "run"
+    train = [sys.executable, "-m", "cipher_nb.train"]  # `python -m`: the console script's other door, kept in use
+    r = run_cli(*train, *FEATURES, "--out", str(out), "--quiet", env=ONE_THREAD, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def weights(folder) -> dict:
+    "The tensors of an export folder (`RUN/final`, `RUN/checkpoints/best`)."
+    from safetensors.torch import load_file
+
+    return load_file(Path(folder) / "model.safetensors")
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    "Bit for bit: the same names, the same tensors."
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture

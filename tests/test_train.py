@@ -10,8 +10,19 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import ROOT, SMALL_MODEL, rows, run_cli
+from conftest import (
+    ONE_THREAD,
+    RESUME,
+    RESUME_EVERY,
+    ROOT,
+    SMALL_MODEL,
+    rows,
+    run_cli,
+    run_in_process,
+    same_weights,
+    script,
+    weights,
+)
 
 SMALL = [
     *SMALL_MODEL,
@@ -23,11 +34,18 @@ SMALL = [
 
 
 def cli():
-    return shutil.which("cipher-train") or str(ROOT / ".venv/bin/cipher-train")
+    return script("cipher-train")
 
 
 def train(out, *args, env=None, timeout=600):
     return run_cli(cli(), "--out", str(out), "--quiet", *args, env=env, timeout=timeout)
+
+
+def train_in_process(out, *args):
+    "cipher-train ARGS in this process: for runs refused before any model is built (no process to start)."
+    from cipher_nb.train.cli import cipher_train
+
+    return run_in_process(cipher_train, "--out", str(out), "--quiet", *args, pos=["config"])
 
 
 def test_default_run_writes_the_run_directory(tmp_path):
@@ -103,22 +121,17 @@ def test_sigterm_saves_and_resume_auto_finishes(tmp_path):
     assert "resumed from" in r.stderr and (run / "final/model.safetensors").exists()
 
 
-def test_kill_and_resume_is_bit_identical(tmp_path):
+def test_kill_and_resume_is_bit_identical(straight_run, tmp_path):
     "N steps straight == k steps, SIGKILL, resume to N: the same losses and the same final weights, bit for bit."
-    from safetensors.torch import load_file
-
-    args = ["--max-steps", "12", "training.log_every=1", "training.checkpoint_every=6", "training.eval_every=6", *SMALL]
-    a, b = tmp_path / "straight", tmp_path / "killed"
-    assert train(a, *args).returncode == 0
-    r = train(b, *args, "--fault", "kill@6")
+    b = tmp_path / "killed"  # the straight run is conftest's, shared with test_scale_out's supervisor test
+    r = train(b, *RESUME, "--fault", f"kill@{RESUME_EVERY}", env=ONE_THREAD)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    assert not (b / "final").exists() and (b / "checkpoints/step_0000006/COMPLETE").exists()
-    r = train(b, "--resume", "auto", *args)
+    assert not (b / "final").exists() and (b / f"checkpoints/step_{RESUME_EVERY:07d}/COMPLETE").exists()
+    r = train(b, "--resume", "auto", *RESUME, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-3000:]
-    la, lb = [(x["step"], x.get("loss")) for x in rows(a)], [(x["step"], x.get("loss")) for x in rows(b)]
+    la, lb = [(x["step"], x.get("loss")) for x in rows(straight_run)], [(x["step"], x.get("loss")) for x in rows(b)]
     assert la == lb
-    wa, wb = load_file(a / "final/model.safetensors"), load_file(b / "final/model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert same_weights(weights(straight_run / "final"), weights(b / "final"))
 
 
 def test_nonfinite_step_is_skipped_and_the_run_continues(tmp_path):
@@ -156,16 +169,14 @@ def test_out_of_memory_exits_3_and_keeps_the_last_checkpoint(tmp_path):
     assert r.returncode == 0 and "step_0000002" in r.stderr, r.stderr[-2000:]
 
 
-def test_a_short_smoke_run_shortens_the_warmup(tmp_path):
-    "--max-steps 3 with the default 30 warmup steps runs, and says it shortened the warmup."
-    r = train(tmp_path / "run", "--max-steps", "3", *SMALL_MODEL, "training.seq_len=64", "training.batch_size=4")
-    assert r.returncode == 0 and "warmup_steps shortened from 30 to 0" in r.stderr, r.stderr[-2000:]
-
-
-def test_no_heldout_data_logs_no_val_metrics(tmp_path):
+def test_a_short_smoke_run_without_heldout_data(tmp_path):
+    """--max-steps 3 with the default 30 warmup steps runs, and says it shortened the warmup; with no held-out data it
+    says so and logs no val/* metrics (one run checks both: each process costs seconds of imports)."""
     run = tmp_path / "run"
-    r = train(run, "--max-steps", "4", *SMALL, "data.heldout_frac=0", "training.eval_every=2")
-    assert r.returncode == 0 and "no held-out data" in r.stderr, r.stderr[-2000:]
+    short = ["--max-steps", "3", *SMALL_MODEL, "training.seq_len=64", "training.batch_size=4"]
+    r = train(run, *short, "training.eval_batches=2", "data.heldout_frac=0", "training.eval_every=2")
+    assert r.returncode == 0 and "warmup_steps shortened from 30 to 0" in r.stderr, r.stderr[-2000:]
+    assert "no held-out data" in r.stderr, r.stderr[-2000:]
     assert not any(k.startswith("val/") for x in rows(run) for k in x)
     assert "held-out" not in r.stderr.split("run finished")[-1]  # no held-out figure in the summary
 
@@ -205,14 +216,13 @@ def test_a_single_file_corpus_with_a_held_out_tail(tmp_path):
     assert not any(k.startswith("val/") for x in rows(tmp_path / "none") for k in x)
 
 
-def test_refinement_on_differently_cut_data_is_refused(tmp_path):
+def test_refinement_on_differently_cut_data_is_refused(straight_run, tmp_path):
     "data.max_bytes changes which bytes the model sees, so it changes the data fingerprint refinement must match."
-    pre = tmp_path / "pre"
-    assert train(pre, "--max-steps", "2", *SMALL, "data.source=mock").returncode == 0
-    stage = ["--stage", "refinement", "--init", str(pre / "final")]
-    r = train(tmp_path / "ref", "--max-steps", "2", *SMALL, "data.source=mock", "data.max_bytes=100", *stage)
+    stage = ["--stage", "refinement", "--init", str(straight_run / "final")]  # conftest's pretraining run
+    r = train_in_process(tmp_path / "ref", *RESUME, "--max-steps", "2", "data.max_bytes=100", *stage)
     assert r.returncode == 2 and "refinement data differs" in r.stderr, r.stderr[-2000:]
-    assert train(tmp_path / "same", "--max-steps", "2", *SMALL, "data.source=mock", *stage).returncode == 0
+    assert not (tmp_path / "ref").exists()  # refused before anything was written
+    assert train(tmp_path / "same", *RESUME, "--max-steps", "2", *stage, env=ONE_THREAD).returncode == 0
 
 
 def test_a_time_budget_plans_the_steps_and_records_them(tmp_path):
