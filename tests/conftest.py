@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -94,12 +95,31 @@ def run_cli(*args, timeout=600, env=None, cwd=None):
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=e, cwd=cwd or ROOT)
 
 
+@contextmanager
+def warnings_as_a_process(err):
+    "Warnings written on `err` under a fresh process's filters, as a console script prints them (not kept by pytest)."
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        err.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    formatwarning = warnings.formatwarning  # a command may set its own (cipher-train does): put it back after
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # once per place, as in a new process
+        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", quiet)  # Python's default filters
+        warnings.showwarning = show
+        try:
+            yield
+        finally:
+            warnings.formatwarning = formatwarning
+
+
 def run_in_process(command, *args, pos: list = None):
     "A `cipher-*` command (made by `cipher_nb.cli.command`) run on ARGS in this process, as `run_cli` runs it in one."
     from cipher_nb.cli import run_command
 
     out, err, argv = io.StringIO(), io.StringIO(), [str(a) for a in args]
-    with redirect_stdout(out), redirect_stderr(err):
+    with redirect_stdout(out), redirect_stderr(err), warnings_as_a_process(err):
         try:
             code = run_command(command.__wrapped__, argv, pos) or 0  # what its console script passes to sys.exit
         except SystemExit as e:  # a usage error (2), or a command that exits itself
