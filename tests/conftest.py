@@ -1,8 +1,11 @@
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import warnings
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -36,10 +39,81 @@ SMALL_MODEL = [
 ]
 
 
+# the uninterrupted run every single-process kill-and-resume test compares with (test_train, test_scale_out's
+# supervisor): a checkpoint and an evaluation half way, where the faults land; with dropout, whose masks come from the
+# torch RNG that a checkpoint must restore for the resume to be exact
+RESUME_STEPS, RESUME_EVERY = 6, 3
+RESUME = [
+    *SMALL_MODEL,
+    "training.seq_len=64",
+    "training.batch_size=4",
+    "training.eval_batches=1",
+    "schedule.warmup_steps=1",
+    f"schedule.max_steps={RESUME_STEPS}",
+    "training.log_every=1",
+    f"training.checkpoint_every={RESUME_EVERY}",
+    f"training.eval_every={RESUME_EVERY}",
+    "model.dropout=0.1",
+]
+# a tiny byte-level model with every feature the plots show: two expert populations, a recurrent core,
+# a boundary predictor
+FEATURES = [
+    "model.d_model=32",
+    "model.attention.n_heads=2",
+    "model.attention.n_kv_heads=1",
+    "model.attention.head_dim=16",
+    "model.n_layers=3",
+    "model.recurrence.n_prelude=1",
+    "model.recurrence.n_core=1",
+    "model.recurrence.n_coda=1",
+    "model.recurrence.n_loops=2",
+    "model.boundary.enabled=true",
+    "model.moe.n_routed=4",
+    "model.moe.n_pop_a=2",
+    "model.moe.top_k=1",
+    "model.moe.expert_d_ff=32",
+    "model.moe.n_dense_layers=0",
+    "training.seq_len=64",
+    "training.batch_size=2",
+    "schedule.warmup_steps=2",
+    "training.log_every=2",
+    "training.eval_every=3",
+    "training.eval_batches=2",
+    "training.checkpoint_every=3",
+    "schedule.max_steps=6",
+]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # tiny models train faster on one thread; runs compared bit for bit share it
+
+
+def script(name: str) -> str:
+    "The path of a console script installed beside this interpreter (or on PATH)."
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name) or str(ROOT / ".venv/bin" / name)
+
+
 def run_cli(*args, timeout=600, env=None, cwd=None):
     "Run a console script (or python -m module) in a subprocess; return the CompletedProcess."
     e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=e, cwd=cwd or ROOT)
+
+
+@contextmanager
+def warnings_as_a_process(err):
+    "Warnings written on `err` under a fresh process's filters, as a console script prints them (not kept by pytest)."
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        err.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    formatwarning = warnings.formatwarning  # a command may set its own (cipher-train does): put it back after
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # once per place, as in a new process
+        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", quiet)  # Python's default filters
+        warnings.showwarning = show
+        try:
+            yield
+        finally:
+            warnings.formatwarning = formatwarning
 
 
 def run_in_process(command, *args, pos: list = None):
@@ -47,7 +121,7 @@ def run_in_process(command, *args, pos: list = None):
     from cipher_nb.cli import run_command
 
     out, err, argv = io.StringIO(), io.StringIO(), [str(a) for a in args]
-    with redirect_stdout(out), redirect_stderr(err):
+    with redirect_stdout(out), redirect_stderr(err), warnings_as_a_process(err):
         try:
             code = run_command(command.__wrapped__, argv, pos) or 0  # what its console script passes to sys.exit
         except SystemExit as e:  # a usage error (2), or a command that exits itself
@@ -58,6 +132,39 @@ def run_in_process(command, *args, pos: list = None):
 def rows(run) -> list:
     "The complete rows of a run's metrics: a line the run is still writing (no newline yet) is left out."
     return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().split("\n")[:-1] if r.strip()]
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory) -> Path:
+    "RESUME trained from start to end in one process: the reference of the kill-and-resume tests, trained once."
+    out = tmp_path_factory.mktemp("straight") / "run"
+    r = run_cli(script("cipher-train"), *RESUME, "--out", str(out), "--quiet", env=ONE_THREAD, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def features_run(tmp_path_factory) -> Path:
+    "FEATURES trained for 6 steps, with an export: the run the plot tests draw (test_viz, test_notebook_kernel)."
+    out = tmp_path_factory.mktemp("features") / "run"
+    train = [sys.executable, "-m", "cipher_nb.train"]  # `python -m`: the console script's other door, kept in use
+    r = run_cli(*train, *FEATURES, "--out", str(out), "--quiet", env=ONE_THREAD, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def weights(folder) -> dict:
+    "The tensors of an export folder (`RUN/final`, `RUN/checkpoints/best`)."
+    from safetensors.torch import load_file
+
+    return load_file(Path(folder) / "model.safetensors")
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    "Bit for bit: the same names, the same tensors."
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture

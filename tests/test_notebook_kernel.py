@@ -4,7 +4,6 @@ cell, and a kernel interrupt during training stops the cells queued after it."""
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -41,11 +40,10 @@ def stderr(cell) -> str:
     return "".join(o.get("text", "") for o in cell.outputs if o.get("name") == "stderr")
 
 
-def test_figures_and_dashboard_show_as_png(tmp_path):
-    run, dash_run = tmp_path / "run", tmp_path / "dash"
-    train = [sys.executable, "-m", "cipher_nb.train", *SMALL, "--out", str(run), "--max-steps", "4", "--quiet"]
+def test_figures_and_dashboard_show_as_png(tmp_path, features_run):
+    "A finished run's figures (conftest's run, trained once for the plot tests) and a live dashboard, in a kernel."
+    run, dash_run = features_run, tmp_path / "dash"
     nb = notebook(
-        f"import subprocess\nsubprocess.run({train!r}, check=True, capture_output=True)",
         f"from cipher_nb.viz.plots import run_figures\nrun_figures({str(run)!r})['training']",
         f"from cipher_nb.viz.plots import run_figures\nrun_figures({str(run)!r})['routing']",
         # the live dashboard in a kernel: a widget while it trains, a static PNG of the final frame after
@@ -61,10 +59,10 @@ def test_figures_and_dashboard_show_as_png(tmp_path):
         "dash.widget, dash.draws",
     )
     client(nb, tmp_path).execute()
-    for cell in nb.cells[1:3]:
+    for cell in nb.cells[:2]:
         assert "image/png" in mimes(cell), cell.outputs  # not '<Figure size ... with 4 Axes>'
         assert not stderr(cell), stderr(cell)
-    dash = nb.cells[3]
+    dash = nb.cells[2]
     assert not stderr(dash), stderr(dash)
     assert dash.outputs[-1]["data"]["text/plain"].startswith("(True, "), dash.outputs  # drawn as a widget
     shown = [o for o in dash.outputs if o["output_type"] == "display_data"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_MODEL, run_cli
+from conftest import ONE_THREAD, RESUME, RESUME_EVERY, ROOT, SMALL_MODEL, run_cli
 
 BIN = Path(sys.executable).parent
 STEPS, EVERY = 6, 3  # the fault lands on the checkpoint half way
@@ -128,19 +128,6 @@ def test_a_rank_killed_mid_run_restarts_the_group_to_the_same_end(tmp_path, one_
     assert same_weights(weights(tmp_path / "runs/lost-rank"), one_launch)
 
 
-# the supervisor: a single process, the cipher-train command line of test_train's kill-and-resume test
-SINGLE = [
-    *SMALL_MODEL,
-    "training.seq_len=64",
-    "training.batch_size=4",
-    "training.eval_batches=1",
-    "schedule.warmup_steps=1",
-    "schedule.max_steps=6",
-    "training.checkpoint_every=3",
-    "training.eval_every=3",
-]
-
-
 def supervise(*args, max_restarts=2):
     return run_cli(
         "bash", str(ROOT / "launch/supervise.sh"), *args,
@@ -148,16 +135,16 @@ def supervise(*args, max_restarts=2):
     )  # fmt: skip
 
 
-def test_supervisor_restarts_a_killed_run_to_the_same_end(tmp_path):
-    cli = str(BIN / "cipher-train")
-    a, b = tmp_path / "straight", tmp_path / "supervised"
-    r = run_cli(cli, *SINGLE, "--out", str(a), "--quiet", env=ENV, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = supervise(cli, *SINGLE, "--out", str(b), "--resume", "auto", "--quiet", "--fault", "kill@3")
+def test_supervisor_restarts_a_killed_run_to_the_same_end(tmp_path, straight_run):
+    "A single process killed after its half-way checkpoint: the supervisor restarts it to conftest's straight run."
+    assert ENV["OMP_NUM_THREADS"] == ONE_THREAD["OMP_NUM_THREADS"]  # the straight run's threads: the same sums
+    b = tmp_path / "supervised"
+    kill = f"kill@{RESUME_EVERY}"
+    r = supervise(str(BIN / "cipher-train"), *RESUME, "--out", str(b), "--resume", "auto", "--quiet", "--fault", kill)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"supervise: killed by signal {signal.SIGKILL}: restart 1 of 2" in r.stderr, r.stderr[-3000:]
-    assert r.stderr.count("supervise:") == 1 and "resumed from" in r.stderr and "at step 3" in r.stderr
-    assert same_weights(weights(a), weights(b))
+    assert r.stderr.count("supervise:") == 1 and "resumed from" in r.stderr and f"at step {RESUME_EVERY}" in r.stderr
+    assert same_weights(weights(straight_run), weights(b))
 
 
 @pytest.mark.parametrize("code, restarted", [(1, True), (3, True), (2, False), (0, False)])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, SMALL_MODEL, run_cli
+from conftest import SMALL_MODEL, run_cli, run_in_process, script
 
 MODEL = SMALL_MODEL
 PRETRAIN = [
@@ -37,11 +37,18 @@ ENV = {"OMP_NUM_THREADS": "1"}  # these models are tiny: one thread is faster, a
 
 
 def cli():
-    return shutil.which("cipher-train") or str(ROOT / ".venv/bin/cipher-train")
+    return script("cipher-train")
 
 
 def train(out, *args, env=None):
     return run_cli(cli(), "--out", str(out), "--quiet", *args, env={**ENV, **(env or {})})
+
+
+def refused(out, *args):
+    "cipher-train ARGS in this process, for a start refused before any model is built (no process to start)."
+    from cipher_nb.train.cli import cipher_train
+
+    return run_in_process(cipher_train, "--out", str(out), "--quiet", *args, pos=["config"])
 
 
 def csv_rows(run):
@@ -58,10 +65,11 @@ def weights(path):
 def chain(tmp_path_factory):
     "Pretraining, then refinement from its final/ (same data, fresh optimizer): the source of every SFT run below."
     d = tmp_path_factory.mktemp("chain")
-    r = train(d / "pretrain", "--max-steps", "60", *PRETRAIN)
+    # short stages: what the tests below need of the source is its stage and a loss SFT can improve on
+    r = train(d / "pretrain", "--max-steps", "30", *PRETRAIN)
     assert r.returncode == 0, r.stderr[-3000:]
     r = train(
-        d / "refinement", "--stage", "refinement", "--init", str(d / "pretrain/final"), "--max-steps", "20", *PRETRAIN
+        d / "refinement", "--stage", "refinement", "--init", str(d / "pretrain/final"), "--max-steps", "10", *PRETRAIN
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return d
@@ -97,12 +105,12 @@ def test_chain_sft_improves_on_its_source(sft_run, capsys):
 
 
 def test_pretrain_to_sft_is_refused(chain, tmp_path):
-    r = train(tmp_path / "bad", "--stage", "sft", "--init", str(chain / "pretrain/final"), *SFT)
+    r = refused(tmp_path / "bad", "--stage", "sft", "--init", str(chain / "pretrain/final"), *SFT)
     assert r.returncode != 0 and "pretrain -> sft is refused" in r.stderr
 
 
 def test_full_parameter_state_refuses_a_lora_resume(sft_run):
-    r = train(sft_run, "--resume", "auto", "sft.lora_rank=4")
+    r = refused(sft_run, "--resume", "auto", "sft.lora_rank=4")
     assert r.returncode != 0 and "sft.lora_rank" in r.stderr, r.stderr[-2000:]
 
 
@@ -142,9 +150,9 @@ def test_lora_trains_adapters_only_and_exports_merged(chain, tmp_path):
     )  # the rest is bit-identical
     rec = json.loads((run / "record.json").read_text())
     assert rec["mode"] == "lora" and float(csv_rows(run)[-1]["val/loss"]) < float(csv_rows(run)[0]["val/loss"])
-    r = train(run, "--resume", "auto", "sft.lora_rank=0")
+    r = refused(run, "--resume", "auto", "sft.lora_rank=0")
     assert r.returncode != 0 and "sft.lora_rank" in r.stderr, r.stderr[-2000:]
-    r = train(tmp_path / "full", "--stage", "sft", "--init", str(run / "final"), "stage.source_stage=sft", *SFT)
+    r = refused(tmp_path / "full", "--stage", "sft", "--init", str(run / "final"), "stage.source_stage=sft", *SFT)
     assert r.returncode != 0 and "LoRA checkpoint" in r.stderr, r.stderr[-2000:]
 
 
@@ -193,7 +201,7 @@ def test_bad_sft_data_is_one_clear_line(tmp_path):
     empty.write_bytes(b"")
     for bad, fragment in ((latin1, "line 1, byte offset 20"), (empty, "the file is empty")):
         run = tmp_path / f"run-{bad.stem}"
-        r = train(run, "--stage", "sft", "--init", str(tmp_path / "no-source/final"), *SFT, f"sft.data={bad}")
+        r = refused(run, "--stage", "sft", "--init", str(tmp_path / "no-source/final"), *SFT, f"sft.data={bad}")
         assert r.returncode != 0 and str(bad) in r.stderr and fragment in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr and r.stderr.strip().startswith("cipher-train: "), r.stderr[-2000:]
         assert not run.exists()  # nothing half-written

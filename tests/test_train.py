@@ -1,5 +1,6 @@
 """cipher-train as a process: the run directory, clean stops and resume, exact resume after a kill, skipped steps,
-injected faults (--fault), torchrun."""
+injected faults (--fault), torchrun. Refused starts and short runs read only by their outcome run the same command in
+this process (`train_in_process`): a process costs seconds of imports."""
 
 import json
 import shutil
@@ -10,8 +11,20 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import ROOT, SMALL_MODEL, TINY, rows, run_cli, run_in_process
+from conftest import (
+    ONE_THREAD,
+    RESUME,
+    RESUME_EVERY,
+    ROOT,
+    SMALL_MODEL,
+    TINY,
+    rows,
+    run_cli,
+    run_in_process,
+    same_weights,
+    script,
+    weights,
+)
 
 SMALL = [
     *SMALL_MODEL,
@@ -23,11 +36,19 @@ SMALL = [
 
 
 def cli():
-    return shutil.which("cipher-train") or str(ROOT / ".venv/bin/cipher-train")
+    return script("cipher-train")
 
 
 def train(out, *args, env=None, timeout=600):
     return run_cli(cli(), "--out", str(out), "--quiet", *args, env=env, timeout=timeout)
+
+
+def train_in_process(out, *args):
+    """cipher-train ARGS in this process, for a run refused at its start or a short one whose outcome is all a test
+    reads (no signal, no kill): the same command without seconds of imports per run."""
+    from cipher_nb.train.cli import cipher_train
+
+    return run_in_process(cipher_train, "--out", str(out), "--quiet", *args, pos=["config"])
 
 
 def test_default_run_writes_the_run_directory(tmp_path):
@@ -70,6 +91,7 @@ def test_default_run_writes_the_run_directory(tmp_path):
 
 def test_sigterm_saves_and_resume_auto_finishes(tmp_path):
     run = tmp_path / "run"
+    steps = 100  # the signal lands at step 3 or soon after: the rest is the margin, and what the resume trains
     p = subprocess.Popen(
         [
             cli(),
@@ -77,7 +99,7 @@ def test_sigterm_saves_and_resume_auto_finishes(tmp_path):
             str(run),
             "--quiet",
             "--max-steps",
-            "300",
+            str(steps),
             "training.log_every=1",
             "training.checkpoint_every=1000",
             "training.eval_every=1000",
@@ -95,38 +117,31 @@ def test_sigterm_saves_and_resume_auto_finishes(tmp_path):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     stopped = rows(run)[-1]["step"]
-    assert 3 <= stopped < 300 and (run / f"checkpoints/step_{stopped:07d}/COMPLETE").exists(), err[-2000:]
+    assert 3 <= stopped < steps and (run / f"checkpoints/step_{stopped:07d}/COMPLETE").exists(), err[-2000:]
     assert "SIGTERM received" in err and "resume with" in err
     r = train(run, "--resume", "auto", *SMALL)  # the config comes back from RUN/config.yaml
     assert r.returncode == 0, r.stderr[-3000:]
-    steps = [x["step"] for x in rows(run)]
-    assert steps[-1] == 300 and steps == sorted(set(steps)), steps[-5:]
+    logged = [x["step"] for x in rows(run)]
+    assert logged[-1] == steps and logged == sorted(set(logged)), logged[-5:]
     assert "resumed from" in r.stderr and (run / "final/model.safetensors").exists()
 
 
-def test_kill_and_resume_is_bit_identical(tmp_path):
+def test_kill_and_resume_is_bit_identical(straight_run, tmp_path):
     "N steps straight == k steps, SIGKILL, resume to N: the same losses and the same final weights, bit for bit."
-    from safetensors.torch import load_file
-
-    # with dropout: its masks come from the torch RNG, which the checkpoint must restore for the resume to be exact
-    args = ["--max-steps", "12", "training.log_every=1", "training.checkpoint_every=6", "training.eval_every=6", *SMALL]
-    args.append("model.dropout=0.1")
-    a, b = tmp_path / "straight", tmp_path / "killed"
-    assert train(a, *args).returncode == 0
-    r = train(b, *args, "--fault", "kill@6")
+    b = tmp_path / "killed"  # the straight run is conftest's, shared with test_scale_out's supervisor test
+    r = train(b, *RESUME, "--fault", f"kill@{RESUME_EVERY}", env=ONE_THREAD)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    assert not (b / "final").exists() and (b / "checkpoints/step_0000006/COMPLETE").exists()
-    r = train(b, "--resume", "auto", *args)
+    assert not (b / "final").exists() and (b / f"checkpoints/step_{RESUME_EVERY:07d}/COMPLETE").exists()
+    r = train(b, "--resume", "auto", *RESUME, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-3000:]
-    la, lb = [(x["step"], x.get("loss")) for x in rows(a)], [(x["step"], x.get("loss")) for x in rows(b)]
+    la, lb = [(x["step"], x.get("loss")) for x in rows(straight_run)], [(x["step"], x.get("loss")) for x in rows(b)]
     assert la == lb
-    wa, wb = load_file(a / "final/model.safetensors"), load_file(b / "final/model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert same_weights(weights(straight_run / "final"), weights(b / "final"))
 
 
 def test_nonfinite_step_is_skipped_and_the_run_continues(tmp_path):
     run = tmp_path / "run"
-    r = train(run, "--max-steps", "8", "training.log_every=1", *SMALL, "--fault", "nonfinite@3")
+    r = train_in_process(run, "--max-steps", "8", "training.log_every=1", *SMALL, "--fault", "nonfinite@3")
     assert r.returncode == 0, r.stderr[-3000:]
     m = [x for x in rows(run) if "loss" in x]
     assert m[-1]["step"] == 8 and m[-1]["skipped_total"] == 1
@@ -159,22 +174,19 @@ def test_out_of_memory_exits_3_and_keeps_the_last_checkpoint(tmp_path):
     assert r.returncode == 0 and "step_0000002" in r.stderr, r.stderr[-2000:]
 
 
-def test_a_short_smoke_run_shortens_the_warmup(tmp_path):
+def test_a_short_smoke_run_without_heldout_data(tmp_path):
     """--max-steps 3 with the default 30 warmup steps runs, and says it shortened the warmup; in bf16 at lr 1e-3 the
-    runbook's two guard rails warn (no warmup, lr over 3e-4) on stderr and in the record, and the run goes on."""
-    args = ("--max-steps", "3", "--precision", "bf16", *SMALL_MODEL, "training.seq_len=64", "training.batch_size=4")
-    r = train(tmp_path / "run", *args)
+    runbook's two guard rails warn (no warmup, lr over 3e-4) on stderr and in the record, and the run goes on; with no
+    held-out data it says so and logs no val/* metrics (one run checks all three: each run costs seconds)."""
+    run = tmp_path / "run"
+    short = ["--max-steps", "3", "--precision", "bf16", *SMALL_MODEL, "training.seq_len=64", "training.batch_size=4"]
+    r = train_in_process(run, *short, "training.eval_batches=2", "data.heldout_frac=0", "training.eval_every=2")
     assert r.returncode == 0 and "warmup_steps shortened from 30 to 0" in r.stderr, r.stderr[-2000:]
     said = [line.removeprefix("cipher-train: warning: ") for line in r.stderr.splitlines() if " warning: " in line]
     assert [w.split(" = ")[0] for w in said] == ["schedule.warmup_steps", "schedule.lr"], r.stderr[-2000:]
     assert "DO NOT skip warmup" in said[0] and "training.precision = bf16" in said[1]
-    assert json.loads((tmp_path / "run" / "record.json").read_text())["warnings"] == said
-
-
-def test_no_heldout_data_logs_no_val_metrics(tmp_path):
-    run = tmp_path / "run"
-    r = train(run, "--max-steps", "4", *SMALL, "data.heldout_frac=0", "training.eval_every=2")
-    assert r.returncode == 0 and "no held-out data" in r.stderr, r.stderr[-2000:]
+    assert json.loads((run / "record.json").read_text())["warnings"] == said
+    assert "no held-out data" in r.stderr, r.stderr[-2000:]
     assert not any(k.startswith("val/") for x in rows(run) for k in x)
     assert "held-out" not in r.stderr.split("run finished")[-1]  # no held-out figure in the summary
 
@@ -205,29 +217,28 @@ def test_a_single_file_corpus_with_a_held_out_tail(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((Path(json.__file__).read_text() * 3)[:120_000])
     args = ["--max-steps", "4", *SMALL, "data.source=files", f"data.path={corpus}", "training.eval_every=4"]
-    r = train(tmp_path / "tail", *args, "data.heldout_tail_bytes=4000", "data.max_bytes=0")
+    r = train_in_process(tmp_path / "tail", *args, "data.heldout_tail_bytes=4000", "data.max_bytes=0")
     assert r.returncode == 0, r.stderr[-2000:]
     bpb = [x["val/bpb"] for x in rows(tmp_path / "tail") if "val/bpb" in x]
     assert bpb and all(0 < b < 20 for b in bpb), bpb
-    r = train(tmp_path / "none", *args, "data.heldout_frac=0")
+    r = train_in_process(tmp_path / "none", *args, "data.heldout_frac=0")
     assert r.returncode == 0 and "no held-out data" in r.stderr, r.stderr[-2000:]
     assert not any(k.startswith("val/") for x in rows(tmp_path / "none") for k in x)
 
 
-def test_refinement_on_differently_cut_data_is_refused(tmp_path):
+def test_refinement_on_differently_cut_data_is_refused(straight_run, tmp_path):
     "data.max_bytes changes which bytes the model sees, so it changes the data fingerprint refinement must match."
-    pre = tmp_path / "pre"
-    assert train(pre, "--max-steps", "2", *SMALL, "data.source=mock").returncode == 0
-    stage = ["--stage", "refinement", "--init", str(pre / "final")]
-    r = train(tmp_path / "ref", "--max-steps", "2", *SMALL, "data.source=mock", "data.max_bytes=100", *stage)
+    stage = ["--stage", "refinement", "--init", str(straight_run / "final")]  # conftest's pretraining run
+    r = train_in_process(tmp_path / "ref", *RESUME, "--max-steps", "2", "data.max_bytes=100", *stage)
     assert r.returncode == 2 and "refinement data differs" in r.stderr, r.stderr[-2000:]
-    assert train(tmp_path / "same", "--max-steps", "2", *SMALL, "data.source=mock", *stage).returncode == 0
+    assert not (tmp_path / "ref").exists()  # refused before anything was written
+    assert train(tmp_path / "same", *RESUME, "--max-steps", "2", *stage, env=ONE_THREAD).returncode == 0
 
 
 def test_a_time_budget_plans_the_steps_and_records_them(tmp_path):
     "The planned steps, never the budget's cap, in the progress line, the record and the model card; the sizes too."
     run = tmp_path / "run"
-    r = train(run, *SMALL, "training.log_every=5", "--time-budget", "4s")
+    r = train_in_process(run, *SMALL, "training.log_every=5", "--time-budget", "4s")
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads((run / "record.json").read_text())
     sched, last = rec["schedule"], rows(run)[-1]["step"]

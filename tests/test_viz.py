@@ -2,39 +2,10 @@
 
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_in_process
+from conftest import run_cli, run_in_process, script
 from PIL import Image
-
-# a tiny byte-level model with every feature the plots show: two expert populations, a recurrent core,
-# a boundary predictor
-TINY = [
-    "model.d_model=32",
-    "model.attention.n_heads=2",
-    "model.attention.n_kv_heads=1",
-    "model.attention.head_dim=16",
-    "model.n_layers=3",
-    "model.recurrence.n_prelude=1",
-    "model.recurrence.n_core=1",
-    "model.recurrence.n_coda=1",
-    "model.recurrence.n_loops=2",
-    "model.boundary.enabled=true",
-    "model.moe.n_routed=4",
-    "model.moe.n_pop_a=2",
-    "model.moe.top_k=1",
-    "model.moe.expert_d_ff=32",
-    "model.moe.n_dense_layers=0",
-    "training.seq_len=64",
-    "training.batch_size=2",
-    "schedule.warmup_steps=2",
-    "training.log_every=2",
-    "training.eval_every=3",
-    "training.eval_batches=2",
-    "training.checkpoint_every=3",
-]
 
 EXPECTED = {  # file -> its panels, in order (the boundary model's three MoE layers are 0, 1, 2)
     "training.png": ["loss", "learning rate", "gradient norm", "throughput"],
@@ -50,20 +21,10 @@ EXPECTED = {  # file -> its panels, in order (the boundary model's three MoE lay
 }
 
 
-def script(name):
-    return (
-        str(Path(sys.executable).parent / name) if (Path(sys.executable).parent / name).exists() else shutil.which(name)
-    )
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("viz") / "run"
-    r = run_cli(
-        script("cipher-train"), "--out", str(out), "--max-steps", "6", "--quiet", *TINY, env={"OMP_NUM_THREADS": "1"}
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+@pytest.fixture
+def run(features_run):
+    "conftest's short run of a model with every feature the plots show (shared with test_notebook_kernel)."
+    return features_run
 
 
 def plot(*args):
