@@ -265,8 +265,9 @@ def preset_config(path: Path, smoke: bool):
     "The preset, shrunk to tiny shapes for `--smoke` (MoE presets keep a tiny MoE, dense ones a tiny SwiGLU)."
     if not smoke:
         return load_config(path)
-    moe = load_config(path).model.moe.n_routed > 0
-    return load_config(path, SMOKE + (SMOKE_MOE if moe else SMOKE_DENSE))
+    moe = load_config(path).model.moe
+    pops = [f"model.moe.n_pop_a={min(moe.n_pop_a, 2)}"]  # a preset's two populations stay two in the tiny MoE
+    return load_config(path, SMOKE + (SMOKE_MOE + pops if moe.n_routed else SMOKE_DENSE))
 
 
 def describe(name: str, cfg, fpt: float, smoke: bool, warmup: int, steps: int) -> str:
