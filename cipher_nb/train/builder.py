@@ -223,8 +223,6 @@ def build_trainer(
         load_weights(cfg.stage.init, model)
     model = hooks.model(model)
     params = parameter_counts(model, cfg.model)  # before the parallel wrapper shards them
-    if env.is_main:
-        print(parameter_line(params), file=sys.stderr)
     choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
     model, choice, kernels = convert_or_fall_back(model, choice, min_dim=cfg.training.fp8_min_dim)  # bf16 if it fails
     wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)

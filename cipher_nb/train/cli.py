@@ -40,6 +40,7 @@ from cipher_nb.train.builder import (
     build_trainer,
     claim_run_dir,
     never_started,
+    parameter_line,
     resolve_run,
     run_summary,
 )
@@ -219,6 +220,7 @@ def cipher_train(
         except (ConfigError, ck.CheckpointError, DataError, FileNotFoundError, ValueError) as e:
             exit_with(EXIT_USAGE, str(e))
         if trainer.is_main:
+            print(parameter_line(trainer.record.parameters), file=sys.stderr)
             for w in trainer.record.warnings:  # the runbook's guard rails this run breaks: warned, not refused
                 print(f"cipher-train: warning: {w}", file=sys.stderr)
             n, budget = trainer.schedule.horizon, cfg.schedule.time_budget
