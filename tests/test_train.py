@@ -272,3 +272,12 @@ def test_early_stopping_ends_the_run_at_its_patience(tmp_path):
     stop = json.loads((run / "record.json").read_text())["schedule"]["early_stop"]
     assert (stop["step"], stop["best_step"], stop["exported_step"]) == (6, 2, 2), stop
     assert rows(run)[-1]["step"] == 6 and (run / "final/model.safetensors").exists()
+    assert json.loads((run / "final/meta.json").read_text())["step"] == 2  # final/ names the step of its weights
+
+    # stopped by a signal at step 4 (one evaluation without improvement), then resumed: the count goes on from 1
+    cut = tmp_path / "cut"
+    args = ("--out", cut, "--quiet", "--max-steps", "40", *TINY, *flat, *cadence)
+    r = run_in_process(cipher_train, *args, "--fault", "sigterm@4")
+    assert r.returncode == 0 and "early stop" not in r.stderr, r.stderr[-3000:]
+    r = run_in_process(cipher_train, *args, "--resume", "auto")
+    assert r.returncode == 0 and "early stop at step 6" in r.stderr, r.stderr[-3000:]

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from fastcore.basics import patch
 
 import cipher_nb.persist.files as ck
 from ..callbacks import Callback
@@ -99,37 +98,30 @@ class RunCheckpoints:
         )
         return state, meta
 
-# %% ../../nbs/11a_train_builder.ipynb #e1c02226
-@patch
-def save(self: RunCheckpoints, trainer, tag: str):
-    "Save the trainer's state as `step_N` with `tag` in its meta; return the checkpoint's path."
-    state, meta = self.state(trainer)
-    return self.checkpointer.save(trainer.step, state, {**meta, "tag": tag})
-
-
-@patch
-def save_best(self: RunCheckpoints, trainer, metrics: dict):
-    "Keep the state as `best/` when `val/loss` is the lowest yet."
-    v, best = metrics.get("val/loss"), self.checkpointer.best
-    if v is not None and (best is None or v < best):
+    def save(self, trainer, tag: str):
+        "Save the trainer's state as `step_N` with `tag` in its meta; return the checkpoint's path."
         state, meta = self.state(trainer)
-        self.checkpointer.save_best(state, meta, v)
+        return self.checkpointer.save(trainer.step, state, {**meta, "tag": tag})
 
+    def save_best(self, trainer, metrics: dict):
+        "Keep the state as `best/` when `val/loss` is the lowest yet."
+        v, best = metrics.get("val/loss"), self.checkpointer.best
+        if v is not None and (best is None or v < best):
+            state, meta = self.state(trainer)
+            self.checkpointer.save_best(state, meta, v)
 
-@patch
-def export(self: RunCheckpoints, trainer) -> dict:
-    "Write `RUN/final/` (safetensors and config) from the final weights; return the files' hashes."
-    self.checkpointer.wait()
-    _, meta = self.state(trainer)
-    model = self.export_model(trainer.raw_model)
-    final = self.checkpointer.root.parent / "final"  # RUN/final, beside RUN/checkpoints
-    return export_model(model, final, config=meta["config"], codec=self.codec, meta=meta)
+    def export(self, trainer) -> dict:
+        "Write `RUN/final/` (safetensors and config) from the final weights; return the files' hashes."
+        self.checkpointer.wait()
+        _, meta = self.state(trainer)
+        meta.update(trainer.export_meta)  # a callback that changed the weights says so (early stopping: best/'s step)
+        model = self.export_model(trainer.raw_model)
+        final = self.checkpointer.root.parent / "final"  # RUN/final, beside RUN/checkpoints
+        return export_model(model, final, config=meta["config"], codec=self.codec, meta=meta)
 
-
-@patch
-def close(self: RunCheckpoints):
-    "Wait for a background save to finish."
-    self.checkpointer.close()
+    def close(self):
+        "Wait for a background save to finish."
+        self.checkpointer.close()
 
 # %% ../../nbs/11a_train_builder.ipynb #c3c3d0e0
 class MoEBalancing(Callback):

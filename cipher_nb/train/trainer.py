@@ -283,18 +283,25 @@ class Trainer:
         self.stopped = False  # a stop signal ended the run before max_steps
         self.stop = StopFlag()
         self.batches = None  # the loader's iterator, started at the first step (after a resume restored its state)
+        self.export_meta = {}  # what a callback changes in final/'s meta (early stopping: the step of its weights)
 
     @property
     def is_main(self) -> bool:
         return self.env.is_main
 
     def state_dict(self) -> dict:
-        "The counters and the plan: the trainer's part of a checkpoint."
-        return dict(step=self.step, tokens=self.tokens, skipped=self.skipped, **self.schedule.state_dict())
+        "The counters, the plan and the state of each callback that keeps one: the trainer's part of a checkpoint."
+        kept = {type(cb).__name__: cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_dict")}
+        counters = dict(step=self.step, tokens=self.tokens, skipped=self.skipped)
+        return dict(counters, **self.schedule.state_dict(), callbacks=kept)
 
     def load_state_dict(self, d: dict):
         self.step, self.tokens, self.skipped = int(d["step"]), int(d["tokens"]), int(d.get("skipped", 0))
         self.schedule.load_state_dict(d)
+        kept = d.get("callbacks", {})  # a checkpoint from before callbacks kept state has none
+        for cb in self.callbacks:
+            if hasattr(cb, "load_state_dict") and type(cb).__name__ in kept:
+                cb.load_state_dict(kept[type(cb).__name__])
 
     # one optimizer step
     def forward_backward(self, batches: list) -> dict:
