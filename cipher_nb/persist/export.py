@@ -36,10 +36,9 @@ from cipher_nb.persist.files import (
     fsync_dir,
     install_marked,
     load_exported,
-    marker_sums,
+    replace_marked,
     verify_checkpoint,
     write_durable,
-    write_marker,
 )
 
 # %% ../../nbs/09c_persist_export.ipynb #18f9cad4
@@ -401,15 +400,12 @@ def refresh_card(path) -> bool:
     path = Path(path)
     if not (path / CARD_FILE).is_file():
         return False
-    marker = verify_checkpoint(path)  # an export changed since it was written is left alone
+    verify_checkpoint(path)  # an export changed since it was written is left alone
     header = json.loads((path / EXPORT_CONFIG).read_text())
     card = model_card(
         header["config"], header.get("codec") or {}, _run_record(path), header.get("n_params", 0), _run_gate(path)
     )
-    tmp = path / f".{CARD_FILE}.tmp"
-    sums = {**marker_sums(marker), CARD_FILE: write_durable(tmp, card.encode())}
-    os.replace(tmp, path / CARD_FILE)
-    write_marker(path, sums, **{k: v for k, v in marker.items() if k not in ("files", "sha256", "time", "extras")})
+    replace_marked(path, CARD_FILE, card.encode())  # the card and the marker change in one step
     return True
 
 # %% ../../nbs/09c_persist_export.ipynb #c8d45327
