@@ -134,11 +134,21 @@ class Schedule:
     def __init__(self, config: ScheduleConfig, clock=time.perf_counter):
         self.config = config  # lr, min_lr, and max_steps: the most any plan takes
         self.clock = clock  # what training time is measured with (a fake in tests)
-        self.max_steps, self.warmup_steps = config.max_steps, config.warmup_steps
+        self._steps = torch.tensor([config.max_steps]).share_memory_()  # `max_steps`, seen by forked loader workers
+        self.warmup_steps = config.warmup_steps
         self.budget = parse_duration(config.time_budget) if config.time_budget else None  # seconds of training
         self.train_seconds = 0.0  # training time spent, in this process and before a resume
         self.timed = [0, 0.0]  # steps and seconds this process measured after its first warm-up steps
         self.planned = self.budget is None  # a budget's step count is known once a step's cost has been measured
+
+    @property
+    def max_steps(self) -> int:
+        "The planned step count (the cap before a budget's first plan); the loader's worker processes read it too."
+        return int(self._steps[0])
+
+    @max_steps.setter
+    def max_steps(self, n: int):
+        self._steps[0] = n
 
     @property
     def horizon(self) -> int | None:
