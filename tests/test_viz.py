@@ -16,7 +16,7 @@ EXPECTED = {  # file -> its panels, in order (the boundary model's three MoE lay
         "routing entropy",
         "cross-population overlap",
     ],
-    "loops.png": ["per-loop hidden norm", "per-loop token similarity"],
+    "loops.png": ["per-loop hidden norm", "per-loop token similarity", "per-loop gradient norm"],
     "boundaries.png": ["learned byte boundaries"],
 }
 
