@@ -9,7 +9,7 @@ import shutil
 import yaml
 from conftest import ROOT, run_cli, run_in_process
 
-from cipher_nb.monitor.gate import cipher_gate
+from cipher_nb.eval.harness import cipher_gate
 
 
 def cli():

@@ -8,7 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_harness.html.md"""
 __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuations', 'load_mc', 'multiple_choice', 'filter_probs',
            'Sampling', 'sampling_of', 'prompt_ids', 'can_cache', 'left_pad', 'stream_batch', 'sample_batch',
            'sample_ids', 'generate', 'generate_batch', 'stream_text', 'load_model', 'mc_protocol', 'mc_entry',
-           'record_benchmark', 'cipher_eval']
+           'record_benchmark', 'cipher_eval', 'cipher_gate']
 
 # %% ../../nbs/12_eval_harness.ipynb #d7db4f55
 import json
@@ -31,6 +31,7 @@ from ..data.sources import DataError, source_documents
 from ..model.attention import CacheMiss
 from ..model.boundary import check_bp_mode
 from ..model.lm import CipherModel, ModelOutput, cache_blocker
+from ..monitor.gate import gate_run
 from ..monitor.metrics import heldout_metrics
 from ..persist.checkpointer import load_weights
 from ..persist.checksum import file_sha256
@@ -449,3 +450,17 @@ def cipher_eval(
     except (ck.CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
         refuse(cipher_eval, e)
     return res
+
+# %% ../../nbs/12_eval_harness.ipynb #c1c09aea
+@command
+def cipher_gate(
+    run_dir: str,  # run directory holding metrics.jsonl (and config.yaml for the thresholds)
+):
+    "Print a run's verification gate (PASS / FAIL / SKIP per criterion), kept in RUN/gate.json and RUN/final's card."
+    code = gate_run(run_dir)
+    try:
+        if refresh_card(Path(run_dir) / "final"):
+            print(f"the verdict is in {Path(run_dir) / 'final' / 'README.md'}")
+    except ck.CheckpointError as e:
+        print(f"model card not refreshed: {e}")
+    return code

@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/monitor_gate.html.md"""
 # %% auto #0
 __all__ = ['GATE_FILE', 'GateLine', 'gate_loss_fell', 'gate_finite', 'gate_load', 'gate_router_learning', 'gate_overlap',
            'most_over', 'gate_grad_norm', 'gate_utilisation', 'gate_halting', 'gate_memory', 'gate', 'gate_passed',
-           'format_gate', 'read_metrics', 'write_gate', 'cipher_gate']
+           'format_gate', 'read_metrics', 'write_gate', 'gate_run']
 
 # %% ../../nbs/07a_monitor_gate.ipynb #dd141fc0
 import json
@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 from fastcore.script import CliError
 
-from ..cli import command
 from ..config.load import Config, ConfigError, MonitorConfig, load_config
 from cipher_nb.monitor.health import (
     ENGRAM_MIN_GATE,
@@ -325,11 +324,10 @@ def write_gate(run, lines: list, rows: list) -> Path:
     return path
 
 # %% ../../nbs/07a_monitor_gate.ipynb #b5e74435
-@command
-def cipher_gate(
+def gate_run(
     run_dir: str,  # run directory holding metrics.jsonl (and config.yaml for the thresholds)
-):
-    "Print a run's verification gate, a PASS / FAIL / SKIP line per criterion (kept in RUN/gate.json); exit 1 on FAIL."
+) -> int:
+    "Print a run's verification gate, a PASS / FAIL / SKIP line per criterion (kept in RUN/gate.json); 1 on FAIL."
     run = Path(run_dir)
     if not run.is_dir():
         raise CliError(f"run directory '{run}' does not exist: give the folder that cipher-train wrote")

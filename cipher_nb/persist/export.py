@@ -229,7 +229,7 @@ def _card_gate(gate: dict | None) -> list:
     out = ["## Verification gate", ""]
     if not gate:
         return out + [
-            "Not gated when this card was written: `cipher-gate RUN` judges the run and writes gate.json.",
+            "Not gated when this card was written: `cipher-gate RUN` judges the run and writes its verdict here.",
             "",
         ]
     verdict = "PASS" if gate.get("passed") else "FAIL"
