@@ -2,6 +2,7 @@
 formula, its JSON and its exit code; each GPU preset's plan at its shipped micro-batch must fit an 80 GB H100."""
 
 import json
+from functools import reduce
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from cipher_nb.config.sizing import flops_per_token
 from cipher_nb.core import seed_everything
 from cipher_nb.model.lm import CipherModel
 from cipher_nb.optim.optimizers import build_optimizer
-from cipher_nb.train.plan import cipher_plan, count_flops, trace_step
+from cipher_nb.train.plan import HEADROOM, GiB, capacity_gib, cipher_plan, count_flops, phase_lines, trace_step
 
 PRESETS = ROOT / "examples" / "configs"
 SMALL = ["model.n_layers=2", "training.seq_len=64", "training.batch_size=2"]
@@ -84,3 +85,27 @@ def test_a_plan_that_does_not_fit_exits_2_with_the_fixes():
     assert "\n" not in line and "GiB >" in line and "training.parallel=fsdp" in line, line
     r = run_in_process(cipher_plan, *SMALL, "--gpu", "v100")
     assert r.returncode == 2 and "h100, h200, a100" in r.stderr
+
+
+# memory is linear in depth (each layer, or each loop of the recurrent core, adds its weights, gradients, optimizer
+# state and activations), so each preset is traced at its shipped micro-batch at two shallow depths and extrapolated
+# to its own: (the key, two depths) per preset
+DEPTH = {
+    "h100": ("model.n_layers", 1, 2),  # the dense first layer, then one MoE layer: each further layer is MoE
+    "wide-h100": ("model.n_layers", 1, 2),
+    "flexitokens-h100": ("model.recurrence.n_loops", 1, 2),
+}
+
+
+@pytest.mark.parametrize("preset", DEPTH)
+def test_gpu_preset_fits_an_h100_node(preset):
+    "Each GPU preset's planned peak, at its shipped micro-batch on 8 H100s, stays within 90% of the usable memory."
+    key, d1, d2 = DEPTH[preset]
+    path = PRESETS / f"{preset}.yaml"
+    depth = reduce(getattr, key.split("."), load_config(path))
+    peaks = []
+    for d in (d1, d2):
+        cfg = load_config(path, [f"{key}={d}"])
+        peaks.append(trace_step(cfg.model, cfg.training, cfg.optim, cfg.training.batch_size, 8))
+    planned = max(a + c * depth for a, c in phase_lines(d1, peaks[0], d2, peaks[1]).values()) / GiB
+    assert planned <= (1 - HEADROOM) * capacity_gib("h100"), f"{preset}: {planned:.1f} GiB at its micro-batch"

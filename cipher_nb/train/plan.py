@@ -7,11 +7,12 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_plan.html.md"""
 # %% auto #0
 __all__ = ['GPUS', 'CUDA_CONTEXT_GIB', 'NCCL_GIB', 'HEADROOM', 'GiB', 'CATEGORIES', 'OFFLOADED', 'MOST_MICRO_BATCH', 'GPU',
            'capacity_gib', 'grouped_mm_flop', 'cpu_attention_flop', 'cpu_attention_backward_flop',
-           'register_flop_formulas', 'DataBound', 'PhasePeaks', 'PhaseTracker', 'FSDPPhaseTracker', 'fake_world',
-           'gpu_dtype', 'traced_step', 'trace_step', 'planned_segments', 'count_flops', 'phase_lines', 'largest_fit',
-           'Plan', 'peak', 'search_micro_batch', 'plan_run', 'plan_fixes', 'cipher_plan']
+           'register_flop_formulas', 'DataBound', 'flash_attention', 'gpu_attention', 'PhasePeaks', 'PhaseTracker',
+           'FSDPPhaseTracker', 'fake_world', 'gpu_dtype', 'traced_step', 'trace_step', 'planned_segments',
+           'count_flops', 'phase_lines', 'largest_fit', 'Plan', 'peak', 'search_micro_batch', 'plan_run', 'plan_fixes',
+           'plan_lines', 'cipher_plan']
 
-# %% ../../nbs/11c_train_plan.ipynb #aa403caa
+# %% ../../nbs/11c_train_plan.ipynb #1efe1f34
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -19,6 +20,7 @@ from json import dumps
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from fastcore.imports import IN_NOTEBOOK
 from fastcore.script import CliError
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -35,7 +37,7 @@ from ..model.lm import CipherModel
 from ..optim.optimizers import build_optimizer
 from ..optim.parallel import apply_ac, apply_fsdp
 
-# %% ../../nbs/11c_train_plan.ipynb #4ac074a1
+# %% ../../nbs/11c_train_plan.ipynb #17679a41
 @dataclass(frozen=True)
 class GPU:
     "A GPU the planner knows: its name and its memory as the driver reports it."
@@ -61,7 +63,7 @@ def capacity_gib(gpu: str) -> float:
         raise ConfigError(f"unknown GPU {gpu!r}: choose one of {', '.join(GPUS)}")
     return GPUS[gpu].memory_gib - CUDA_CONTEXT_GIB - NCCL_GIB
 
-# %% ../../nbs/11c_train_plan.ipynb #a1b70f32
+# %% ../../nbs/11c_train_plan.ipynb #73ec4862
 def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     "FLOPs of a grouped product: every row of `a` meets one expert's [K, M] block."
     return 2 * math.prod(a_shape) * b_shape[-1]
@@ -90,7 +92,7 @@ def register_flop_formulas():
         if op not in flop_registry:
             register_flop_formula(op)(formula)
 
-# %% ../../nbs/11c_train_plan.ipynb #c79a2156
+# %% ../../nbs/11c_train_plan.ipynb #f6eb5bf6
 class DataBound(TorchDispatchMode):
     "Answers `.item()` (a data-dependent count) with `bound`, which no count the model reads back can exceed."
 
@@ -108,7 +110,36 @@ class DataBound(TorchDispatchMode):
             return func(a.bfloat16(), b.bfloat16(), *rest, **kwargs).float()
         return func(*args, **kwargs)
 
-# %% ../../nbs/11c_train_plan.ipynb #859cc736
+# %% ../../nbs/11c_train_plan.ipynb #b4058979
+def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    "`scaled_dot_product_attention` by the CPU flash kernel: no T x T scores kept, values padded to the keys' width."
+    if k.shape[1] != q.shape[1]:  # grouped keys: the kernel wants a key head per query head
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    dv = v.shape[-1]
+    q, k, v = q.to(dtype), k.to(dtype), F.pad(v, (0, q.shape[-1] - dv)).to(dtype)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :dv]
+
+
+@contextmanager
+def gpu_attention():
+    "While it lasts, attention whose values are narrower than its keys (MLA) runs the CPU flash kernel, as a GPU would."
+    plain = F.scaled_dot_product_attention
+
+    def routed(q, k, v, *args, **kwargs):
+        narrow = v.shape[-1] != q.shape[-1]
+        return flash_attention(q, k, v, *args, **kwargs) if narrow else plain(q, k, v, *args, **kwargs)
+
+    # a patch of torch.nn.functional, not a TorchFunctionMode: checkpointing's recompute in backward runs without
+    # function modes, and must see the same kernel as the forward did
+    F.scaled_dot_product_attention = routed
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = plain
+
+# %% ../../nbs/11c_train_plan.ipynb #f639f268
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 _CATEGORY = {  # MemTracker's and FSDPMemTracker's labels
     "Parameter": "parameters",
@@ -151,7 +182,7 @@ class PhaseTracker(PhasePeaks, MemTracker):
 class FSDPPhaseTracker(PhasePeaks, FSDPMemTracker):
     "`FSDPMemTracker` keeping each phase's peak."
 
-# %% ../../nbs/11c_train_plan.ipynb #817f97c8
+# %% ../../nbs/11c_train_plan.ipynb #8b89f43c
 @contextmanager
 def fake_world(world: int):
     "A fake process group of `world` ranks (collectives return at once, nothing is sent) and its 1-D CPU mesh."
@@ -166,7 +197,7 @@ def fake_world(world: int):
     finally:
         dist.destroy_process_group()
 
-# %% ../../nbs/11c_train_plan.ipynb #636b7d09
+# %% ../../nbs/11c_train_plan.ipynb #7ba70675
 def gpu_dtype(precision: str) -> torch.dtype:
     "The autocast dtype `precision` trains in on a bf16-capable GPU."
     return {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
@@ -185,7 +216,7 @@ def traced_step(model, opt, ids, dtype, tracker):
         opt.zero_grad(set_to_none=True)
     return tracker.peaks
 
-# %% ../../nbs/11c_train_plan.ipynb #df0ced80
+# %% ../../nbs/11c_train_plan.ipynb #4a45a014
 def trace_step(
     m: ModelConfig, training: TrainConfig, optim: OptimConfig, micro_batch: int, world: int = 1, dtype=None
 ) -> dict:
@@ -193,10 +224,13 @@ def trace_step(
     dtype = dtype or gpu_dtype(training.precision)
     fsdp = training.parallel == "fsdp" and world > 1
     with fake_world(world) if fsdp else nullcontext() as mesh:
-        with FakeTensorMode(), DataBound(training.seq_len):
+        with FakeTensorMode(), DataBound(training.seq_len), gpu_attention():
             model = apply_ac(CipherModel(m), training.activation_checkpoint)
             if fsdp:
-                apply_fsdp(model, dtype, mesh=mesh, offload=training.cpu_offload)
+                try:
+                    apply_fsdp(model, dtype, mesh=mesh, offload=training.cpu_offload)
+                except ValueError as e:  # e.g. a scalar parameter, which FSDP2 cannot shard
+                    raise ConfigError(f"training.parallel=fsdp: FSDP2 refuses this model: {e}") from None
             opt = build_optimizer(model, optim, 1e-3)
             tracker = FSDPPhaseTracker(model, opt) if fsdp else PhaseTracker()
             tracker.offload = fsdp and training.cpu_offload
@@ -209,7 +243,7 @@ def trace_step(
             by["gradients"] *= 2  # DDP's buckets
     return peaks
 
-# %% ../../nbs/11c_train_plan.ipynb #0fe4f0df
+# %% ../../nbs/11c_train_plan.ipynb #0b92c427
 def planned_segments(m: ModelConfig, seq_len: int) -> int:
     "Segments per row at the boundary predictor's planned rate (all bytes without a predictor)."
     return max(1, round(seq_len * m.boundary.rate)) if m.boundary.enabled else seq_len
@@ -229,7 +263,7 @@ def count_flops(m: ModelConfig, training: TrainConfig, micro_batch: int = 1) -> 
             loss.backward()
     return fc.get_total_flops()
 
-# %% ../../nbs/11c_train_plan.ipynb #bb2b0369
+# %% ../../nbs/11c_train_plan.ipynb #66a6b7ad
 def phase_lines(b1: int, p1: dict, b2: int, p2: dict) -> dict:
     "Each phase's (intercept, slope) of total bytes against the micro-batch, from traces at `b1` and `b2`."
     lines = {}
@@ -253,7 +287,7 @@ def largest_fit(lines: dict, limit: float, most: int = MOST_MICRO_BATCH) -> int:
             best = min(best, math.floor((limit - a) / c))
     return max(0, best)
 
-# %% ../../nbs/11c_train_plan.ipynb #228aaf32
+# %% ../../nbs/11c_train_plan.ipynb #50ca507d
 @dataclass
 class Plan:
     "A preset's plan on `world` GPUs: memory at its micro-batch, the largest that fits, FLOPs per token."
@@ -284,7 +318,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {**asdict(self), "fits": self.fits, "tokens_per_step": self.tokens_per_step()}
 
-# %% ../../nbs/11c_train_plan.ipynb #112714b3
+# %% ../../nbs/11c_train_plan.ipynb #d0fa0709
 def peak(phases: dict) -> tuple:
     "(phase, its categories) of the highest total."
     return max(phases.items(), key=lambda kv: sum(kv[1].values()))
@@ -334,7 +368,7 @@ def plan_run(m: ModelConfig, t: TrainConfig, optim: OptimConfig, world: int = 8,
         sizing_flops_per_token=flops_per_token(m, t.seq_len),
     )
 
-# %% ../../nbs/11c_train_plan.ipynb #f4331844
+# %% ../../nbs/11c_train_plan.ipynb #04ff7860
 def plan_fixes(p: Plan, training: TrainConfig) -> list:
     "The overrides that would make a plan fit, in the order to try them."
     fixes = []
@@ -350,7 +384,25 @@ def plan_fixes(p: Plan, training: TrainConfig) -> list:
         fixes.append("training.cpu_offload=true")
     return fixes
 
-# %% ../../nbs/11c_train_plan.ipynb #a850fb93
+# %% ../../nbs/11c_train_plan.ipynb #79c0d978
+def plan_lines(p: Plan) -> list:
+    "The plan as a short table a person reads in ten seconds."
+    gpu, c = GPUS[p.gpu], p.categories_gib
+    parts = " | ".join(f"{k} {v:.2f}" for k, v in c.items())
+    diff = p.flops_per_token / p.sizing_flops_per_token - 1
+    at_max = p.tokens_per_step(p.max_micro_batch)
+    return [
+        f"{p.world} x {gpu.name}, {p.parallel}, activation checkpointing {p.activation_checkpoint}",
+        f"  usable per GPU   {p.capacity_gib:.1f} GiB ({gpu.memory_gib} less {CUDA_CONTEXT_GIB} CUDA context and "
+        f"{NCCL_GIB} NCCL); plan within {p.limit_gib:.1f} GiB ({HEADROOM:.0%} headroom)",
+        f"  micro-batch {p.micro_batch:<4} peak {p.peak_gib:.2f} GiB ({p.peak_gib / p.capacity_gib:.0%}) in "
+        f"{p.peak_phase}: {parts} GiB",
+        f"  fits             {'yes' if p.fits else 'NO'}; largest micro-batch {p.max_micro_batch} "
+        f"({at_max:,} tokens per step; the preset's {p.tokens_per_step():,})",
+        f"  FLOPs per token  {p.flops_per_token:.4g} counted, {p.sizing_flops_per_token:.4g} sizing ({diff:+.1%})",
+    ]
+
+# %% ../../nbs/11c_train_plan.ipynb #a0b797d4
 @command(pos=["path"])
 def cipher_plan(
     path: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)
