@@ -109,3 +109,11 @@ def test_gpu_preset_fits_an_h100_node(preset):
         peaks.append(trace_step(cfg.model, cfg.training, cfg.optim, cfg.training.batch_size, 8))
     planned = max(a + c * depth for a, c in phase_lines(d1, peaks[0], d2, peaks[1]).values()) / GiB
     assert planned <= (1 - HEADROOM) * capacity_gib("h100"), f"{preset}: {planned:.1f} GiB at its micro-batch"
+
+
+def test_fsdp_shards_the_optimizer_state_over_a_fake_world():
+    "Under FSDP2 on a fake process group of 4, each GPU holds a quarter of AdamW's state (FSDP2's own sharding)."
+    cfg = load_config(None, [*SMALL, "training.parallel=fsdp"])
+    one, four = (trace_step(cfg.model, cfg.training, cfg.optim, 2, w)["optimizer"] for w in (1, 4))
+    assert abs(four["optimizer"] * 4 / one["optimizer"] - 1) < 0.05, (one, four)
+    assert four["parameters"] < one["parameters"] / 2  # the shards, and no more than a block gathered at a time

@@ -12,7 +12,7 @@ __all__ = ['GPUS', 'CUDA_CONTEXT_GIB', 'NCCL_GIB', 'HEADROOM', 'GiB', 'CATEGORIE
            'count_flops', 'phase_lines', 'largest_fit', 'Plan', 'peak', 'search_micro_batch', 'plan_run', 'plan_fixes',
            'plan_lines', 'cipher_plan']
 
-# %% ../../nbs/11c_train_plan.ipynb #1efe1f34
+# %% ../../nbs/11c_train_plan.ipynb #a9c9eed7
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -21,7 +21,6 @@ from json import dumps
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fastcore.imports import IN_NOTEBOOK
 from fastcore.script import CliError
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -37,7 +36,7 @@ from ..model.lm import CipherModel
 from ..optim.optimizers import build_optimizer
 from ..optim.parallel import apply_ac, apply_fsdp
 
-# %% ../../nbs/11c_train_plan.ipynb #17679a41
+# %% ../../nbs/11c_train_plan.ipynb #ac0cb82e
 @dataclass(frozen=True)
 class GPU:
     "A GPU the planner knows: its name and its memory as the driver reports it."
@@ -63,7 +62,7 @@ def capacity_gib(gpu: str) -> float:
         raise ConfigError(f"unknown GPU {gpu!r}: choose one of {', '.join(GPUS)}")
     return GPUS[gpu].memory_gib - CUDA_CONTEXT_GIB - NCCL_GIB
 
-# %% ../../nbs/11c_train_plan.ipynb #73ec4862
+# %% ../../nbs/11c_train_plan.ipynb #371121da
 def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     "FLOPs of a grouped product: every row of `a` meets one expert's [K, M] block."
     return 2 * math.prod(a_shape) * b_shape[-1]
@@ -92,7 +91,7 @@ def register_flop_formulas():
         if op not in flop_registry:
             register_flop_formula(op)(formula)
 
-# %% ../../nbs/11c_train_plan.ipynb #f6eb5bf6
+# %% ../../nbs/11c_train_plan.ipynb #4037553d
 class DataBound(TorchDispatchMode):
     "Answers `.item()` (a data-dependent count) with `bound`, which no count the model reads back can exceed."
 
@@ -110,7 +109,7 @@ class DataBound(TorchDispatchMode):
             return func(a.bfloat16(), b.bfloat16(), *rest, **kwargs).float()
         return func(*args, **kwargs)
 
-# %% ../../nbs/11c_train_plan.ipynb #b4058979
+# %% ../../nbs/11c_train_plan.ipynb #0e024ae1
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     "`scaled_dot_product_attention` by the CPU flash kernel: no T x T scores kept, values padded to the keys' width."
     if k.shape[1] != q.shape[1]:  # grouped keys: the kernel wants a key head per query head
@@ -139,7 +138,7 @@ def gpu_attention():
     finally:
         F.scaled_dot_product_attention = plain
 
-# %% ../../nbs/11c_train_plan.ipynb #f639f268
+# %% ../../nbs/11c_train_plan.ipynb #3ce73a3b
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 _CATEGORY = {  # MemTracker's and FSDPMemTracker's labels
     "Parameter": "parameters",
@@ -150,9 +149,10 @@ _CATEGORY = {  # MemTracker's and FSDPMemTracker's labels
     "Sharded Grad": "gradients",
     "Unsharded Grad": "gradients",
     "Optstate": "optimizer",
+    "OptState": "optimizer",  # FSDPMemTracker spells it so
     "Activation": "activations",
 }  # the rest (Temp, Other, All Gather, Reduce Scatter, Inputs): temporaries
-OFFLOADED = ("Sharded Param", "Sharded Grad", "Optstate")  # what FSDP2's CPU offload keeps in host memory
+OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")  # what FSDP2's CPU offload keeps in host memory
 
 
 class PhasePeaks:
@@ -161,15 +161,17 @@ class PhasePeaks:
     phase = "forward"
     offload = False  # FSDP2 CPU offload: the shards and optimizer state are not on the GPU
 
-    def _update_peak_stats(self, peak_state):
-        snap = next(iter(self._curr_mem_snap.values()), None)  # one device: the CPU the trace runs on
-        if snap is None:
-            return
+    def current(self) -> dict:
+        "Live bytes by category now."
         by = dict.fromkeys(CATEGORIES, 0)
-        for kind, n in snap.items():
+        for kind, n in next(iter(self._curr_mem_snap.values()), {}).items():  # one device: the CPU of the trace
             name = getattr(kind, "value", None)
             if name is not None and not (self.offload and name in OFFLOADED):
                 by[_CATEGORY.get(name, "temporaries")] += n
+        return by
+
+    def _update_peak_stats(self, peak_state):
+        by = self.current()
         peaks = self.__dict__.setdefault("peaks", {})
         if sum(by.values()) > sum(peaks.get(self.phase, {}).values()):
             peaks[self.phase] = by
@@ -182,7 +184,7 @@ class PhaseTracker(PhasePeaks, MemTracker):
 class FSDPPhaseTracker(PhasePeaks, FSDPMemTracker):
     "`FSDPMemTracker` keeping each phase's peak."
 
-# %% ../../nbs/11c_train_plan.ipynb #8b89f43c
+# %% ../../nbs/11c_train_plan.ipynb #5bd16a67
 @contextmanager
 def fake_world(world: int):
     "A fake process group of `world` ranks (collectives return at once, nothing is sent) and its 1-D CPU mesh."
@@ -197,7 +199,7 @@ def fake_world(world: int):
     finally:
         dist.destroy_process_group()
 
-# %% ../../nbs/11c_train_plan.ipynb #7ba70675
+# %% ../../nbs/11c_train_plan.ipynb #f5120c31
 def gpu_dtype(precision: str) -> torch.dtype:
     "The autocast dtype `precision` trains in on a bf16-capable GPU."
     return {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
@@ -213,10 +215,13 @@ def traced_step(model, opt, ids, dtype, tracker):
         loss.backward()
         tracker.phase = "optimizer"
         opt.step()
+        # the phase is what the step leaves (weights, gradients, state): a fused step's own buffers are small on a
+        # GPU, and FSDPMemTracker labels the DTensor step's CPU temporaries as optimizer state at twice its size
+        tracker.peaks["optimizer"] = tracker.current()
         opt.zero_grad(set_to_none=True)
     return tracker.peaks
 
-# %% ../../nbs/11c_train_plan.ipynb #4a45a014
+# %% ../../nbs/11c_train_plan.ipynb #dd08b848
 def trace_step(
     m: ModelConfig, training: TrainConfig, optim: OptimConfig, micro_batch: int, world: int = 1, dtype=None
 ) -> dict:
@@ -243,7 +248,7 @@ def trace_step(
             by["gradients"] *= 2  # DDP's buckets
     return peaks
 
-# %% ../../nbs/11c_train_plan.ipynb #0b92c427
+# %% ../../nbs/11c_train_plan.ipynb #a1e0ad18
 def planned_segments(m: ModelConfig, seq_len: int) -> int:
     "Segments per row at the boundary predictor's planned rate (all bytes without a predictor)."
     return max(1, round(seq_len * m.boundary.rate)) if m.boundary.enabled else seq_len
@@ -263,7 +268,7 @@ def count_flops(m: ModelConfig, training: TrainConfig, micro_batch: int = 1) -> 
             loss.backward()
     return fc.get_total_flops()
 
-# %% ../../nbs/11c_train_plan.ipynb #66a6b7ad
+# %% ../../nbs/11c_train_plan.ipynb #c785bb41
 def phase_lines(b1: int, p1: dict, b2: int, p2: dict) -> dict:
     "Each phase's (intercept, slope) of total bytes against the micro-batch, from traces at `b1` and `b2`."
     lines = {}
@@ -287,7 +292,7 @@ def largest_fit(lines: dict, limit: float, most: int = MOST_MICRO_BATCH) -> int:
             best = min(best, math.floor((limit - a) / c))
     return max(0, best)
 
-# %% ../../nbs/11c_train_plan.ipynb #50ca507d
+# %% ../../nbs/11c_train_plan.ipynb #13c430bf
 @dataclass
 class Plan:
     "A preset's plan on `world` GPUs: memory at its micro-batch, the largest that fits, FLOPs per token."
@@ -318,7 +323,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {**asdict(self), "fits": self.fits, "tokens_per_step": self.tokens_per_step()}
 
-# %% ../../nbs/11c_train_plan.ipynb #d0fa0709
+# %% ../../nbs/11c_train_plan.ipynb #3c8307e1
 def peak(phases: dict) -> tuple:
     "(phase, its categories) of the highest total."
     return max(phases.items(), key=lambda kv: sum(kv[1].values()))
@@ -368,7 +373,7 @@ def plan_run(m: ModelConfig, t: TrainConfig, optim: OptimConfig, world: int = 8,
         sizing_flops_per_token=flops_per_token(m, t.seq_len),
     )
 
-# %% ../../nbs/11c_train_plan.ipynb #04ff7860
+# %% ../../nbs/11c_train_plan.ipynb #17cd57dd
 def plan_fixes(p: Plan, training: TrainConfig) -> list:
     "The overrides that would make a plan fit, in the order to try them."
     fixes = []
@@ -384,7 +389,7 @@ def plan_fixes(p: Plan, training: TrainConfig) -> list:
         fixes.append("training.cpu_offload=true")
     return fixes
 
-# %% ../../nbs/11c_train_plan.ipynb #79c0d978
+# %% ../../nbs/11c_train_plan.ipynb #e04bc64b
 def plan_lines(p: Plan) -> list:
     "The plan as a short table a person reads in ten seconds."
     gpu, c = GPUS[p.gpu], p.categories_gib
@@ -402,7 +407,7 @@ def plan_lines(p: Plan) -> list:
         f"  FLOPs per token  {p.flops_per_token:.4g} counted, {p.sizing_flops_per_token:.4g} sizing ({diff:+.1%})",
     ]
 
-# %% ../../nbs/11c_train_plan.ipynb #a0b797d4
+# %% ../../nbs/11c_train_plan.ipynb #51673ec7
 @command(pos=["path"])
 def cipher_plan(
     path: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)
@@ -425,7 +430,3 @@ def cipher_plan(
             f"cipher-plan: peak {p.peak_gib:.1f} GiB > {p.limit_gib:.1f} GiB on {GPUS[gpu].name} at micro-batch "
             f"{p.micro_batch}; try {', then '.join(plan_fixes(p, cfg.training)) or 'a larger GPU'}"
         )
-
-
-if __name__ == "__main__" and not IN_NOTEBOOK:
-    cipher_plan()
