@@ -237,10 +237,11 @@ def trace_step(
                 except ValueError as e:  # e.g. a scalar parameter, which FSDP2 cannot shard
                     raise ConfigError(f"training.parallel=fsdp: FSDP2 refuses this model: {e}") from None
             opt = build_optimizer(model, optim, 1e-3)
-            tracker = FSDPPhaseTracker(model, opt) if fsdp else PhaseTracker()
+            parts = getattr(opt, "parts", [opt])  # Muon with AdamW: each a torch optimizer
+            tracker = FSDPPhaseTracker(model, parts[-1]) if fsdp else PhaseTracker()
             tracker.offload = fsdp and training.cpu_offload
             if not fsdp:
-                tracker.track_external(model, opt)
+                tracker.track_external(model, *parts)
             ids = torch.zeros(micro_batch, training.seq_len, dtype=torch.long)
             peaks = traced_step(model, opt, ids, dtype, tracker)
     if world > 1 and not fsdp:
