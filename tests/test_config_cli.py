@@ -36,7 +36,8 @@ def test_h100_preset_prints_its_values():
         64,
     )
     assert (e["n_routed"], e["n_shared"], e["top_k"], e["expert_d_ff"]) == (32, 2, 4, 128)
-    assert (t["seq_len"], t["batch_size"], t["grad_accum"], s["lr"], s["min_lr"]) == (2048, 4, 12, 3e-4, 3e-5)
+    # the runbook's 4 x 12 sequences per optimizer step, as one micro-batch of 48 (cipher-plan: it fits an H100)
+    assert (t["seq_len"], t["batch_size"], t["grad_accum"], s["lr"], s["min_lr"]) == (2048, 48, 1, 3e-4, 3e-5)
     assert (s["warmup_steps"], s["max_steps"], o["weight_decay"], o["grad_clip"], t["precision"]) == (
         200,
         10000,

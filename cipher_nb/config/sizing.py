@@ -6,8 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/config_sizing.html.md"""
 
 # %% auto #0
 __all__ = ['attention_params', 'attention_flops_per_token', 'cached_layers', 'kv_bytes_per_token', 'block_params',
-           'recurrence_params', 'engram_params', 'param_counts', 'flops_per_token', 'engram_lines', 'kv_cache_line',
-           'describe', 'cipher_config']
+           'recurrence_params', 'engram_params', 'byte_level_params', 'param_counts', 'flops_per_token', 'engram_lines',
+           'kv_cache_line', 'describe', 'cipher_config']
 
 # %% ../../nbs/01d_config_sizing.ipynb #8aded5ce
 import sys
@@ -88,6 +88,14 @@ def engram_params(m: ModelConfig) -> tuple:
     return n * (e.max_ngram - 1) * e.table_size * e.dim, n * (2 * width * m.d_model + 2 * m.d_model)
 
 
+def byte_level_params(m: ModelConfig) -> int:
+    "Parameters that run on every byte around the main stack: the byte layers and the boundary predictor (0 without)."
+    if not m.boundary.enabled:
+        return 0
+    bp = m.d_model * m.d_model + m.d_model + m.d_model + 1 + m.d_model  # MLP d->d->1 and the null segment
+    return 2 * m.boundary.n_byte_layers * block_params(m, False)[0] + bp
+
+
 def param_counts(m: ModelConfig) -> dict:
     "Total and per-token active parameters, with and without the embedding and head."
     blocks = [block_params(m, _is_moe(m, i)) for i in range(m.n_layers)]
@@ -97,11 +105,7 @@ def param_counts(m: ModelConfig) -> dict:
         total, active = total + extra, active + extra
     tables, reads = engram_params(m)  # Engram: the projections are matmuls, the tables lookups (total only)
     total, active = total + reads, active + reads
-    if m.boundary.enabled:
-        byte = 2 * m.boundary.n_byte_layers * block_params(m, False)[0]
-        bp = m.d_model * m.d_model + m.d_model + m.d_model + 1 + m.d_model  # MLP d->d->1 and the null segment
-        total += byte + bp
-        active += byte + bp
+    total, active = total + byte_level_params(m), active + byte_level_params(m)
     embed = m.vocab * m.d_model
     head = 0 if m.tie_embeddings else m.vocab * m.d_model
     total += m.d_model
@@ -125,12 +129,16 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
         core = (loops - 1) * sum(core_blocks)
         in_core = [i for i in set(m.engram.layers) if r.n_prelude <= i < r.n_prelude + r.n_core]
         core += (loops - 1) * len(in_core) * engram_params(m)[1] // max(1, len(set(m.engram.layers)))
+    # with a boundary predictor the main stack runs once per segment, `rate` of the bytes; the byte layers, the
+    # predictor and the final norm run on every byte
+    rate = b.rate if b.enabled else 1
+    per_byte = byte_level_params(m) + m.d_model
+    main = pc["active_non_embedding"] - per_byte + core
     attn_layers = m.n_layers + (loops - 1) * r.n_core
-    main_len = seq_len * (b.rate if b.enabled else 1)
-    attn = attn_layers * attention_flops_per_token(m, main_len)
+    attn = rate * attn_layers * attention_flops_per_token(m, seq_len * rate)
     if b.enabled:
         attn += 2 * b.n_byte_layers * attention_flops_per_token(m, seq_len)
-    return 6 * (pc["active_non_embedding"] + core + (m.vocab * m.d_model)) + attn
+    return 6 * (rate * main + per_byte + m.vocab * m.d_model) + attn
 
 # %% ../../nbs/01d_config_sizing.ipynb #b6c8ed7e
 def engram_lines(m: ModelConfig) -> list:
