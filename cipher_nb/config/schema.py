@@ -91,7 +91,8 @@ class MoEConfig:
     router_renorm: bool = True  # renormalise gates over the selected experts
     route_scale: float = 1.0
     bias_balance: bool = True  # DeepSeek-V3 auxiliary-loss-free balancing
-    bias_gamma: float = 1e-3
+    bias_gamma: float = 1e-3  # DeepSeek-V3's rate: the bias moves this much per optimizer step
+    bias_boost_steps: int = 200  # for the first steps the rate is BIAS_BOOST (10) times bias_gamma; 0 = never
     z_loss_weight: float = 1e-3
     balance_loss_weight: float = 0.0  # off by default since bias balancing is on (the runbook used 1e-3)
     n_pop_a: int = 0  # experts [0, n_pop_a) form population A, the rest B; 0 = one population
@@ -369,6 +370,7 @@ AT_LEAST = {  # field -> (the least value that works, what the field counts)
     "training.keep_last": (0, "step checkpoints kept (0 keeps every one)"),
     "training.max_nonfinite": (1, "non-finite steps in a row before the run stops"),
     "training.early_stop_patience": (0, "evaluations without a lower val/loss before the run ends (0 = never)"),
+    "model.moe.bias_boost_steps": (0, "first optimizer steps with a faster balancing bias (0 = never)"),
     "training.fp8_min_dim": (0, "the width from which fp8 converts a linear layer"),
     "training.seed": (0, "the random seed"),
     "optim.bp_freeze_steps": (-1, "steps with the boundary predictor frozen (-1 = schedule.warmup_steps)"),

@@ -105,12 +105,18 @@ class HaltingUnit(nn.Module):
     def __init__(self, d: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(d))
-        self.bias = nn.Parameter(torch.tensor(HALT_INIT_BIAS))
+        self.bias = nn.Parameter(torch.full((1,), HALT_INIT_BIAS))  # [1], not a scalar: FSDP2 shards dimensions
 
     def forward(self, state):
         acc = torch.promote_types(state.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
         s = F.rms_norm(state.to(acc), (state.shape[-1],))
         return torch.sigmoid(s @ self.weight.to(acc) + self.bias.to(acc))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        old = state_dict.get(prefix + "bias")
+        if old is not None and old.dim() == 0:  # saved before the bias had a dimension
+            state_dict[prefix + "bias"] = old.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 # %% ../../nbs/05c_model_recurrence.ipynb #d2750fbd
 class ACTHalting:

@@ -134,7 +134,7 @@ class MoEBalancing(Callback):
                 m.take_load()
 
     def after_step(self, trainer):
-        update_moe_biases(trainer.raw_model)  # one all-reduce for every block, on every rank
+        update_moe_biases(trainer.raw_model, trainer.step)  # one all-reduce for every block, on every rank
 
 # %% ../../nbs/11a_train_builder.ipynb #354323dc
 def stage_hooks(stage: str) -> StageHooks:
