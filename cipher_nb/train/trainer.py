@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..callbacks import run_callbacks
-from ..config.load import Config, ScheduleConfig, parse_duration
+from ..config.load import Config, ScheduleConfig, parse_duration, token_budget_steps
 from ..core import DistEnv, autocast, autocast_dtype, dist_env
 from ..model.roles import clip_groups, params_with_role
 from ..monitor.metrics import mem_gb, mfu, sum_over_ranks
@@ -131,15 +131,21 @@ BUDGET_WARM_STEPS, BUDGET_CALIBRATION_STEPS = 2, 5  # steps left out of the cost
 class Schedule:
     "The plan of a run: its optimizer steps, its warmup and the learning rate at a step; a time budget re-plans them."
 
-    def __init__(self, config: ScheduleConfig, clock=time.perf_counter):
-        self.config = config  # lr, min_lr, and max_steps: the most any plan takes
+    def __init__(self, config: ScheduleConfig, clock=time.perf_counter, token_steps: int = 0):
+        self.config = config  # lr, min_lr, max_steps
         self.clock = clock  # what training time is measured with (a fake in tests)
-        self._steps = torch.tensor([config.max_steps]).share_memory_()  # `max_steps`, seen by forked loader workers
+        self.token_steps = token_steps  # the steps training.target_tokens buys (0 = no token budget)
+        self._steps = torch.tensor([self.cap]).share_memory_()  # `max_steps`, seen by forked loader workers
         self.warmup_steps = config.warmup_steps
         self.budget = parse_duration(config.time_budget) if config.time_budget else None  # seconds of training
         self.train_seconds = 0.0  # training time spent, in this process and before a resume
         self.timed = [0, 0.0]  # steps and seconds this process measured after its first warm-up steps
         self.planned = self.budget is None  # a budget's step count is known once a step's cost has been measured
+
+    @property
+    def cap(self) -> int:
+        "The most any plan takes: schedule.max_steps, or fewer when a token budget buys fewer."
+        return min(self.config.max_steps, self.token_steps) if self.token_steps else self.config.max_steps
 
     @property
     def max_steps(self) -> int:
@@ -171,7 +177,7 @@ class Schedule:
         if self.budget is None or n < BUDGET_CALIBRATION_STEPS:
             return False
         left = max(0.0, self.budget - self.train_seconds)
-        planned = min(self.config.max_steps, step + int(left / (spent / n)))
+        planned = min(self.cap, step + int(left / (spent / n)))
         if agree is not None:  # every rank takes the same plan
             planned = agree(planned)
         if not self.planned:  # the first plan: fit the warmup too
@@ -281,7 +287,7 @@ class Trainer:
         self.clip_groups = clip_groups(self.raw_model, cfg.optim.clip_groups)  # by parameter role
         self.bp_params = params_with_role(self.raw_model, "boundary")
         # the plan: how many steps the run takes, and its warmup (schedule.time_budget re-plans both)
-        self.schedule = schedule or Schedule(cfg.schedule, clock)
+        self.schedule = schedule or Schedule(cfg.schedule, clock, token_budget_steps(cfg.training, self.env.world_size))
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
         self.nonfinite_run = 0  # non-finite steps in a row
