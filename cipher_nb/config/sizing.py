@@ -7,11 +7,13 @@ Docs: https://cipher-nb.github.io/cipher_nb/config_sizing.html.md"""
 # %% auto #0
 __all__ = ['attention_params', 'attention_flops_per_token', 'cached_layers', 'kv_bytes_per_token', 'block_params',
            'recurrence_params', 'engram_params', 'param_counts', 'flops_per_token', 'engram_lines', 'kv_cache_line',
-           'plan_line', 'describe', 'cipher_config']
+           'prepared_tokens', 'plan_line', 'describe', 'cipher_config']
 
 # %% ../../nbs/01d_config_sizing.ipynb #8aded5ce
+import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import yaml
 
@@ -19,6 +21,7 @@ from ..cli import command, is_command
 from cipher_nb.config.load import (
     Config,
     ConfigError,
+    DataConfig,
     ModelConfig,
     ScheduleConfig,
     TrainConfig,
@@ -165,6 +168,14 @@ def kv_cache_line(m: ModelConfig) -> str:
     return line
 
 # %% ../../nbs/01d_config_sizing.ipynb #2df2efea
+def prepared_tokens(data: DataConfig) -> int:
+    "The training tokens of a prepared shards directory (`data.source: shards`), from its manifest; 0 otherwise."
+    f = Path(data.path).expanduser() / "manifest.json"  # the format: cipher_nb.data.shards (a later band)
+    if data.source != "shards" or not f.is_file():
+        return 0
+    return int(json.loads(f.read_text()).get("tokens", {}).get("train", 0))
+
+
 def plan_line(t: TrainConfig, s: ScheduleConfig, world_size: int = 1, data_tokens: int = 0) -> str:
     "`cipher-config`'s plan: steps, tokens and (given the data's size) epochs at `world_size` ranks."
     per_step, bought = global_batch_tokens(t, world_size), token_budget_steps(t, world_size)
@@ -205,7 +216,7 @@ def cipher_config(
     "Print a preset's resolved config, parameter counts and hash; exit 2 with the reason on one line if it is invalid."
     try:
         cfg = load_config(path, overrides)
-        plan = plan_line(cfg.training, cfg.schedule, gpus)
+        plan = plan_line(cfg.training, cfg.schedule, gpus, prepared_tokens(cfg.data))
     except ConfigError as e:
         if not is_command(cipher_config):  # a Python call (a notebook, another CLI) sees the error itself
             raise
