@@ -6,9 +6,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_shards.html.md"""
 
 # %% auto #0
 __all__ = ['MANIFEST', 'FORMAT', 'shard_dtype', 'document_ids', 'encode_shard', 'read_manifest', 'shard_file', 'shard_sizes',
-           'file_sha256', 'check_shard', 'verify_shards', 'ShardStream', 'open_shard']
+           'file_sha256', 'open_shard', 'check_shard', 'verify_shards', 'ShardStream']
 
-# %% ../../nbs/02ab_data_shards.ipynb #6f220849
+# %% ../../nbs/02ab_data_shards.ipynb #0b3a7ae0
 import functools
 import hashlib
 import json
@@ -19,7 +19,7 @@ from fastcore.basics import patch
 
 from .sources import PIECE_BYTES, DataError, iter_pieces, seed_of
 
-# %% ../../nbs/02ab_data_shards.ipynb #eb2f1561
+# %% ../../nbs/02ab_data_shards.ipynb #e1f14e7a
 MANIFEST = "manifest.json"
 FORMAT = 1  # the manifest's layout version: a reader refuses another
 
@@ -28,7 +28,7 @@ def shard_dtype(vocab_size: int) -> np.dtype:
     "The narrowest unsigned dtype holding every id of a `vocab_size` vocabulary: uint16 up to 65,536, else uint32."
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
-# %% ../../nbs/02ab_data_shards.ipynb #f4abaa4c
+# %% ../../nbs/02ab_data_shards.ipynb #5db5fb95
 def document_ids(codec, doc, max_bytes: int = 0) -> np.ndarray:
     "A document's ids as the loader packs them: BOS + its bytes (cut at `max_bytes`), a piece at a time, + EOS."
     if isinstance(doc, (bytes, bytearray)):
@@ -40,7 +40,7 @@ def document_ids(codec, doc, max_bytes: int = 0) -> np.ndarray:
     last = len(chunks) - 1
     return np.concatenate([codec.encode_doc(c, bos=i == 0, eos=i == last) for i, c in enumerate(chunks)])
 
-# %% ../../nbs/02ab_data_shards.ipynb #77afeb6c
+# %% ../../nbs/02ab_data_shards.ipynb #4e4f2df8
 def encode_shard(codec, docs, max_bytes: int = 0) -> tuple:
     "(ids [tokens] in `shard_dtype`, starts [docs + 1] uint64) of the documents `docs`."
     parts = [document_ids(codec, d, max_bytes) for d in docs]
@@ -50,7 +50,7 @@ def encode_shard(codec, docs, max_bytes: int = 0) -> tuple:
     ids = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype)
     return ids, starts
 
-# %% ../../nbs/02ab_data_shards.ipynb #5ba458bd
+# %% ../../nbs/02ab_data_shards.ipynb #ebd5a45d
 def read_manifest(path) -> dict:
     "The manifest of the prepared directory `path`; a `DataError` if there is none or it is not one."
     f = Path(path).expanduser() / MANIFEST
@@ -67,7 +67,7 @@ def read_manifest(path) -> dict:
         raise DataError(f"data.path = '{path}': its manifest lists no training shard: {how}")
     return m
 
-# %% ../../nbs/02ab_data_shards.ipynb #83584034
+# %% ../../nbs/02ab_data_shards.ipynb #9b4ed2c9
 def shard_file(root, rec: dict, kind: str) -> Path:
     "The file of shard `rec` holding its ids (`bin`) or its document starts (`idx`)."
     return Path(root).expanduser() / f"{rec['name']}.{kind}"
@@ -91,7 +91,13 @@ def file_sha256(path) -> str:
 def _hash_of(path: str, size: int, mtime_ns: int) -> str:
     return file_sha256(path)
 
-# %% ../../nbs/02ab_data_shards.ipynb #7be3020d
+
+def open_shard(root, rec: dict, dtype) -> tuple:
+    "(ids, starts) of shard `rec` as read-only memory maps: nothing is read until it is used."
+    ids = np.memmap(shard_file(root, rec, "bin"), dtype=np.dtype(dtype), mode="r")
+    return ids, np.memmap(shard_file(root, rec, "idx"), dtype=np.uint64, mode="r")
+
+# %% ../../nbs/02ab_data_shards.ipynb #6b4fd004
 def check_shard(root, rec: dict, dtype) -> str:
     "Why shard `rec` under `root` differs from its manifest entry (missing, size, SHA-256); '' when it matches."
     for kind, size in shard_sizes(rec, dtype).items():
@@ -119,7 +125,7 @@ def verify_shards(path, codec: dict) -> dict:
             raise DataError(f"{why}: prepare again (cipher-data prepare keeps the shards that match)")
     return m
 
-# %% ../../nbs/02ab_data_shards.ipynb #0d6c88b6
+# %% ../../nbs/02ab_data_shards.ipynb #5d87166a
 class ShardStream:
     "Reader `g` of `n` over one split of a prepared directory: each document's ids (BOS ... EOS), resumable."
 
@@ -153,13 +159,7 @@ class ShardStream:
         j = self.local[k]
         return ids[int(starts[j]) : int(starts[j + 1])]
 
-# %% ../../nbs/02ab_data_shards.ipynb #bba4e55c
-def open_shard(root, rec: dict, dtype) -> tuple:
-    "(ids, starts) of shard `rec` as read-only memory maps: nothing is read until it is used."
-    ids = np.memmap(shard_file(root, rec, "bin"), dtype=np.dtype(dtype), mode="r")
-    return ids, np.memmap(shard_file(root, rec, "idx"), dtype=np.uint64, mode="r")
-
-
+# %% ../../nbs/02ab_data_shards.ipynb #5cefb0e3
 @patch
 def next_doc(self: ShardStream):
     "The next document's ids, or None when a finite split (held-out, or `epochs` passes) is used up."
