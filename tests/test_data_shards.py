@@ -103,3 +103,21 @@ def test_bad_shards_are_refused_before_step_0(prepared, tmp_path, what, damage, 
     r = in_process(*TINY, "data.source=shards", f"data.path={d}", "--out", tmp_path / "run", "--quiet")
     assert r.code == 2 and says in r.last, (r.code, r.err[-2000:])
     nothing_written(tmp_path)
+
+
+def test_cipher_config_plans_in_epochs_of_the_prepared_tokens_and_refuses_a_budget_under_one_batch(prepared):
+    from conftest import ROOT, run_in_process
+
+    from cipher_nb.config.sizing import cipher_config
+
+    preset = ROOT / "examples/configs/tiny-cpu.yaml"
+    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
+    shards = ["data.source=shards", f"data.path={prepared}", "schedule.max_steps=100000"]
+    budget = f"training.target_tokens={2 * train}"
+    r = run_in_process(cipher_config, preset, *TINY, *shards, budget, "--gpus", "2", pos=["path"])
+    steps = 2 * train // (2 * 2 * 64)  # 2 ranks x 2 windows x 64 tokens a step
+    plan = f"# plan at 2 rank(s): {steps:,} steps (training.target_tokens = {2 * train:,}) x 256 tokens"
+    assert r.returncode == 0 and plan in r.stdout, r.stdout[-500:]
+    assert f", {steps * 256 / train:.2f} epochs of {train:,}" in r.stdout
+    r = run_in_process(cipher_config, preset, *TINY, "training.target_tokens=1000", "--gpus", "8", pos=["path"])
+    assert r.returncode == 2 and "less than one global batch (1,024 tokens = 8 rank(s)" in r.stderr, r.stderr

@@ -8,22 +8,26 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_shards.html.md"""
 __all__ = ['SHARD_BYTES', 'shard_tasks', 'codec_for', 'write_atomic', 'write_shard', 'finished_shard', 'write_manifest',
            'np_name', 'prepare_shards', 'cipher_data']
 
-# %% ../../nbs/09e_persist_shards.ipynb #eea293ae
+# %% ../../nbs/09e_persist_shards.ipynb #58477ada
 import functools
+import json
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
-from fastcore.script import CliError
 from tqdm.auto import tqdm
+
+from fastcore.script import CliError
 
 from ..cli import command
 from ..config.load import ConfigError, DataConfig, load_config
 from ..data.codecs import build_codec
-from ..data.shards import FORMAT, check_shard, encode_shard, shard_dtype, shard_file
+from ..data.shards import FORMAT, MANIFEST, check_shard, encode_shard, shard_dtype, shard_file
 from cipher_nb.data.sources import (
     DataError,
+    data_fingerprint,
+    data_manifest,
     doc_size,
     has_heldout,
     open_stream,
@@ -32,7 +36,7 @@ from cipher_nb.data.sources import (
 from .files import fsync_dir, write_durable, write_json_atomic
 from .runlock import RunLock
 
-# %% ../../nbs/09e_persist_shards.ipynb #2c3e8b20
+# %% ../../nbs/09e_persist_shards.ipynb #6765580b
 SHARD_BYTES = 64 << 20  # bytes of text per shard: a few seconds of tokenizing for one process
 
 
@@ -53,7 +57,7 @@ def shard_tasks(data: DataConfig, shard_bytes: int = SHARD_BYTES):
             if docs:
                 yield f"{name}.{split}.{k:05d}", name, split, docs
 
-# %% ../../nbs/09e_persist_shards.ipynb #7dca2ac7
+# %% ../../nbs/09e_persist_shards.ipynb #26431ce5
 @functools.lru_cache(None)
 def codec_for(codec: str, tokenizer: str):
     "The codec of a data section, built once per process."
@@ -86,7 +90,7 @@ def finished_shard(root: Path, name: str, dtype, prepared_from: str) -> dict | N
     rec = json.loads(f.read_text())
     return rec if rec.get("prepared_from") == prepared_from and not check_shard(root, rec, dtype) else None
 
-# %% ../../nbs/09e_persist_shards.ipynb #69414434
+# %% ../../nbs/09e_persist_shards.ipynb #29b750e9
 def write_manifest(root: Path, data: DataConfig, dm: dict, dtype, recs: list) -> dict:
     "The manifest: codec, id dtype, the preset's data manifest (sources, phases), every shard; written atomically."
     for r in recs:  # the curriculum phases whose mixture names the shard's source
@@ -101,7 +105,7 @@ def write_manifest(root: Path, data: DataConfig, dm: dict, dtype, recs: list) ->
 def np_name(dtype) -> str:
     return str(getattr(dtype, "name", dtype))
 
-# %% ../../nbs/09e_persist_shards.ipynb #714dcf20
+# %% ../../nbs/09e_persist_shards.ipynb #5c92d0df
 def _done(value) -> Future:
     f = Future()
     f.set_result(value)
@@ -139,7 +143,7 @@ def prepare_shards(
         fsync_dir(root)
         return write_manifest(root, data, dm, dtype, recs)
 
-# %% ../../nbs/09e_persist_shards.ipynb #56fa9151
+# %% ../../nbs/09e_persist_shards.ipynb #e0189413
 @command(pos=["preset"])
 def cipher_data(
     action: str,  # what to do: prepare
