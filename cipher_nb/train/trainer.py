@@ -188,6 +188,8 @@ class Schedule:
     def report(self) -> dict:
         "The plan, for the run record's `schedule`: its steps and warmup, and what a time budget bought."
         plan = dict(max_steps=self.horizon, warmup_steps=self.warmup_steps)
+        if self.token_steps:  # what training.target_tokens bought, before schedule.max_steps capped it
+            plan["token_steps"] = self.token_steps
         if self.budget is None:
             return plan
         return dict(plan, time_budget_s=self.budget, train_seconds=round(self.train_seconds, 1))
