@@ -121,3 +121,20 @@ def test_cipher_config_plans_in_epochs_of_the_prepared_tokens_and_refuses_a_budg
     assert f", {steps * 256 / train:.2f} epochs of {train:,}" in r.stdout
     r = run_in_process(cipher_config, preset, *TINY, "training.target_tokens=1000", "--gpus", "8", pos=["path"])
     assert r.returncode == 2 and "less than one global batch (1,024 tokens = 8 rank(s)" in r.stderr, r.stderr
+
+
+def test_a_loader_over_shards_resumes_exactly(prepared):
+    "k batches, the loader's state, a new loader from it: the next batches are those of an uninterrupted loader."
+    cfg = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}"])
+
+    def loader():
+        return mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1)
+
+    straight = [b["input_ids"].tolist() for b in itertools.islice(loader(), 12)]
+    first = loader()
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    assert [b["input_ids"].tolist() for b in itertools.islice(resumed, 7)] == straight[5:]
