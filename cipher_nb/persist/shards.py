@@ -6,17 +6,20 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_shards.html.md"""
 
 # %% auto #0
 __all__ = ['SHARD_BYTES', 'shard_tasks', 'codec_for', 'write_atomic', 'write_shard', 'finished_shard', 'write_manifest',
-           'np_name', 'prepare_shards', 'cipher_data']
+           'prepare_shards', 'cipher_data']
 
-# %% ../../nbs/09e_persist_shards.ipynb #58477ada
+# %% ../../nbs/09e_persist_shards.ipynb #fa6822d8
 import functools
+import json
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
-from fastcore.script import CliError
+import numpy as np
 from tqdm.auto import tqdm
+
+from fastcore.script import CliError
 
 from ..cli import command
 from ..config.load import ConfigError, DataConfig, load_config
@@ -34,7 +37,7 @@ from cipher_nb.data.sources import (
 from .files import fsync_dir, write_durable, write_json_atomic
 from .runlock import RunLock
 
-# %% ../../nbs/09e_persist_shards.ipynb #6765580b
+# %% ../../nbs/09e_persist_shards.ipynb #22bbbe1e
 SHARD_BYTES = 64 << 20  # bytes of text per shard: a few seconds of tokenizing for one process
 
 
@@ -55,7 +58,7 @@ def shard_tasks(data: DataConfig, shard_bytes: int = SHARD_BYTES):
             if docs:
                 yield f"{name}.{split}.{k:05d}", name, split, docs
 
-# %% ../../nbs/09e_persist_shards.ipynb #26431ce5
+# %% ../../nbs/09e_persist_shards.ipynb #5e81089d
 @functools.lru_cache(None)
 def codec_for(codec: str, tokenizer: str):
     "The codec of a data section, built once per process."
@@ -88,22 +91,18 @@ def finished_shard(root: Path, name: str, dtype, prepared_from: str) -> dict | N
     rec = json.loads(f.read_text())
     return rec if rec.get("prepared_from") == prepared_from and not check_shard(root, rec, dtype) else None
 
-# %% ../../nbs/09e_persist_shards.ipynb #29b750e9
+# %% ../../nbs/09e_persist_shards.ipynb #21100fce
 def write_manifest(root: Path, data: DataConfig, dm: dict, dtype, recs: list) -> dict:
     "The manifest: codec, id dtype, the preset's data manifest (sources, phases), every shard; written atomically."
     for r in recs:  # the curriculum phases whose mixture names the shard's source
         r["phases"] = [i for i, p in enumerate(data.phases) if r["source"] in (p.get("mix") or {})]
     tokens = {s: sum(r["tokens"] for r in recs if r["split"] == s) for s in ("train", "heldout")}
-    m = dict(format=FORMAT, codec=dm["codec"], vocab=build_codec(data).vocab_size, dtype=np_name(dtype))
+    m = dict(format=FORMAT, codec=dm["codec"], vocab=build_codec(data).vocab_size, dtype=np.dtype(dtype).name)
     m.update(data=dm, data_fingerprint=data_fingerprint(data), tokens=tokens, shards=recs)
     write_json_atomic(root / MANIFEST, m)
     return m
 
-
-def np_name(dtype) -> str:
-    return str(getattr(dtype, "name", dtype))
-
-# %% ../../nbs/09e_persist_shards.ipynb #5c92d0df
+# %% ../../nbs/09e_persist_shards.ipynb #d42bbbfd
 def _done(value) -> Future:
     f = Future()
     f.set_result(value)
@@ -121,7 +120,7 @@ def prepare_shards(
         dm = data_manifest(data)
         prepared_from = f"{data_fingerprint(data)}/{shard_bytes}"
         pool = ProcessPoolExecutor(procs, mp_context=get_context("fork")) if procs > 1 else None
-        futures, bar = [], tqdm(desc="shards", unit="shard", disable=not progress)
+        futures, pending, bar = [], set(), tqdm(desc="shards", unit="shard", disable=not progress)
         try:
             for task in shard_tasks(data, shard_bytes):
                 rec = finished_shard(root, task[0], dtype, prepared_from)
@@ -131,8 +130,9 @@ def prepare_shards(
                     continue
                 futures.append(pool.submit(write_shard, root, data, task, prepared_from))
                 futures[-1].add_done_callback(lambda _: bar.update())
-                while sum(not f.done() for f in futures) >= 2 * procs:  # bounded: a shard's documents wait in memory
-                    wait([f for f in futures if not f.done()], return_when=FIRST_COMPLETED)
+                pending.add(futures[-1])
+                while len(pending) >= 2 * procs:  # bounded: the documents of a shard in flight wait in memory
+                    pending = wait(pending, return_when=FIRST_COMPLETED).not_done
             recs = [f.result() for f in futures]
         finally:
             if pool is not None:
@@ -141,7 +141,7 @@ def prepare_shards(
         fsync_dir(root)
         return write_manifest(root, data, dm, dtype, recs)
 
-# %% ../../nbs/09e_persist_shards.ipynb #e0189413
+# %% ../../nbs/09e_persist_shards.ipynb #b4260097
 @command(pos=["preset"])
 def cipher_data(
     action: str,  # what to do: prepare
