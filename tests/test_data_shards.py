@@ -61,7 +61,10 @@ def test_cipher_train_trains_from_shards_to_a_token_budget(prepared, tmp_path):
         "--quiet",
     )
     assert r.code == 0, r.err[-2000:]
-    assert [row["step"] for row in rows(tmp_path / "run") if "loss" in row] == [1, 2, 3]
+    logged = [row for row in rows(tmp_path / "run") if "loss" in row]
+    assert [row["step"] for row in logged] == [1, 2, 3]
+    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
+    assert logged[-1]["data/epochs"] == pytest.approx(3 * 128 / train)  # passes over the prepared tokens
 
 
 def truncate(d):

@@ -10,16 +10,14 @@ __all__ = ['SHARD_BYTES', 'shard_tasks', 'codec_for', 'write_atomic', 'write_sha
 
 # %% ../../nbs/09e_persist_shards.ipynb #fa6822d8
 import functools
-import json
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
-
 from fastcore.script import CliError
+from tqdm.auto import tqdm
 
 from ..cli import command
 from ..config.load import ConfigError, DataConfig, load_config

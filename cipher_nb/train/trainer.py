@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..callbacks import run_callbacks
 from ..config.load import Config, ScheduleConfig, parse_duration, token_budget_steps
+from ..config.sizing import prepared_tokens
 from ..core import DistEnv, autocast, autocast_dtype, dist_env
 from ..model.roles import clip_groups, params_with_role
 from ..monitor.metrics import mem_gb, mfu, sum_over_ranks
@@ -292,6 +293,7 @@ class Trainer:
         self.schedule = schedule or Schedule(cfg.schedule, clock, token_budget_steps(cfg.training, self.env.world_size))
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
+        self.data_tokens = prepared_tokens(cfg.data)  # a prepared directory's training tokens (0: not known)
         self.nonfinite_run = 0  # non-finite steps in a row
         self.bp_mode = None  # the boundary predictor's mode for this step (None: the model's default)
         self.last_out = None  # the model output of the last micro-batch (the monitor reads its stats)
@@ -465,6 +467,8 @@ class Trainer:
         if self.curriculum is not None and len(self.curriculum.phases) > 1:
             row["curriculum/phase"] = self.curriculum.phase(self.step - 1)
         row.update(self.data_counts())
+        if self.data_tokens:  # passes over the prepared training tokens
+            row["data/epochs"] = self.tokens / self.data_tokens
         return row
 
     def data_counts(self) -> dict:
