@@ -8,7 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_shards.html.md"""
 __all__ = ['MANIFEST', 'FORMAT', 'shard_dtype', 'document_ids', 'encode_shard', 'read_manifest', 'shard_file', 'shard_sizes',
            'file_sha256', 'open_shard', 'check_shard', 'verify_shards', 'ShardStream']
 
-# %% ../../nbs/02ab_data_shards.ipynb #0b3a7ae0
+# %% ../../nbs/02ab_data_shards.ipynb #0ed1c47a
 import functools
 import hashlib
 import json
@@ -19,7 +19,7 @@ from fastcore.basics import patch
 
 from .sources import PIECE_BYTES, DataError, iter_pieces, seed_of
 
-# %% ../../nbs/02ab_data_shards.ipynb #e1f14e7a
+# %% ../../nbs/02ab_data_shards.ipynb #ae7ae1b1
 MANIFEST = "manifest.json"
 FORMAT = 1  # the manifest's layout version: a reader refuses another
 
@@ -28,7 +28,7 @@ def shard_dtype(vocab_size: int) -> np.dtype:
     "The narrowest unsigned dtype holding every id of a `vocab_size` vocabulary: uint16 up to 65,536, else uint32."
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
-# %% ../../nbs/02ab_data_shards.ipynb #5db5fb95
+# %% ../../nbs/02ab_data_shards.ipynb #181bf539
 def document_ids(codec, doc, max_bytes: int = 0) -> np.ndarray:
     "A document's ids as the loader packs them: BOS + its bytes (cut at `max_bytes`), a piece at a time, + EOS."
     if isinstance(doc, (bytes, bytearray)):
@@ -40,7 +40,7 @@ def document_ids(codec, doc, max_bytes: int = 0) -> np.ndarray:
     last = len(chunks) - 1
     return np.concatenate([codec.encode_doc(c, bos=i == 0, eos=i == last) for i, c in enumerate(chunks)])
 
-# %% ../../nbs/02ab_data_shards.ipynb #4e4f2df8
+# %% ../../nbs/02ab_data_shards.ipynb #7911c07d
 def encode_shard(codec, docs, max_bytes: int = 0) -> tuple:
     "(ids [tokens] in `shard_dtype`, starts [docs + 1] uint64) of the documents `docs`."
     parts = [document_ids(codec, d, max_bytes) for d in docs]
@@ -50,7 +50,7 @@ def encode_shard(codec, docs, max_bytes: int = 0) -> tuple:
     ids = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype)
     return ids, starts
 
-# %% ../../nbs/02ab_data_shards.ipynb #ebd5a45d
+# %% ../../nbs/02ab_data_shards.ipynb #0afeefae
 def read_manifest(path) -> dict:
     "The manifest of the prepared directory `path`; a `DataError` if there is none or it is not one."
     f = Path(path).expanduser() / MANIFEST
@@ -67,7 +67,7 @@ def read_manifest(path) -> dict:
         raise DataError(f"data.path = '{path}': its manifest lists no training shard: {how}")
     return m
 
-# %% ../../nbs/02ab_data_shards.ipynb #9b4ed2c9
+# %% ../../nbs/02ab_data_shards.ipynb #0dcc3f82
 def shard_file(root, rec: dict, kind: str) -> Path:
     "The file of shard `rec` holding its ids (`bin`) or its document starts (`idx`)."
     return Path(root).expanduser() / f"{rec['name']}.{kind}"
@@ -93,11 +93,12 @@ def _hash_of(path: str, size: int, mtime_ns: int) -> str:
 
 
 def open_shard(root, rec: dict, dtype) -> tuple:
-    "(ids, starts) of shard `rec` as read-only memory maps: nothing is read until it is used."
-    ids = np.memmap(shard_file(root, rec, "bin"), dtype=np.dtype(dtype), mode="r")
-    return ids, np.memmap(shard_file(root, rec, "idx"), dtype=np.uint64, mode="r")
+    "(ids, starts) of shard `rec`: read-only views of memory maps, nothing read until it is used, nothing copied."
+    # plain ndarray views of the maps: slicing a np.memmap subclass costs 3x more per document
+    ids = np.asarray(np.memmap(shard_file(root, rec, "bin"), dtype=np.dtype(dtype), mode="r"))
+    return ids, np.asarray(np.memmap(shard_file(root, rec, "idx"), dtype=np.uint64, mode="r"))
 
-# %% ../../nbs/02ab_data_shards.ipynb #6b4fd004
+# %% ../../nbs/02ab_data_shards.ipynb #0253c2b3
 def check_shard(root, rec: dict, dtype) -> str:
     "Why shard `rec` under `root` differs from its manifest entry (missing, size, SHA-256); '' when it matches."
     for kind, size in shard_sizes(rec, dtype).items():
@@ -125,7 +126,7 @@ def verify_shards(path, codec: dict) -> dict:
             raise DataError(f"{why}: prepare again (cipher-data prepare keeps the shards that match)")
     return m
 
-# %% ../../nbs/02ab_data_shards.ipynb #5d87166a
+# %% ../../nbs/02ab_data_shards.ipynb #649f7bdd
 class ShardStream:
     "Reader `g` of `n` over one split of a prepared directory: each document's ids (BOS ... EOS), resumable."
 
@@ -159,7 +160,7 @@ class ShardStream:
         j = self.local[k]
         return ids[int(starts[j]) : int(starts[j + 1])]
 
-# %% ../../nbs/02ab_data_shards.ipynb #5cefb0e3
+# %% ../../nbs/02ab_data_shards.ipynb #90519466
 @patch
 def next_doc(self: ShardStream):
     "The next document's ids, or None when a finite split (held-out, or `epochs` passes) is used up."
