@@ -23,9 +23,11 @@ MOCK = ["data.source=mock", "data.heldout_frac=0.2"]
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    "The mock corpus prepared in one process, in shards of about 64 kB of text."
+    "The mock corpus prepared in one process, in shards of about 64 kB of text; prepared again, nothing changes."
     out = tmp_path_factory.mktemp("shards") / "mock"
-    prepare_shards(load_config(None, MOCK).data, out, procs=1, shard_bytes=1 << 16, progress=False)
+    data = load_config(None, MOCK).data
+    first = prepare_shards(data, out, procs=1, shard_bytes=1 << 16, progress=False)
+    assert prepare_shards(data, out, procs=1, shard_bytes=1 << 16, progress=False) == first  # a re-run keeps them
     return out
 
 

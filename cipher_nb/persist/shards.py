@@ -8,16 +8,18 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_shards.html.md"""
 __all__ = ['SHARD_BYTES', 'shard_tasks', 'codec_for', 'write_atomic', 'write_shard', 'finished_shard', 'write_manifest',
            'prepare_shards', 'cipher_data']
 
-# %% ../../nbs/09e_persist_shards.ipynb #fa6822d8
+# %% ../../nbs/09e_persist_shards.ipynb #ce02125c
 import functools
+import json
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
-from fastcore.script import CliError
 from tqdm.auto import tqdm
+
+from fastcore.script import CliError
 
 from ..cli import command
 from ..config.load import ConfigError, DataConfig, load_config
@@ -35,7 +37,7 @@ from cipher_nb.data.sources import (
 from .files import fsync_dir, write_durable, write_json_atomic
 from .runlock import RunLock
 
-# %% ../../nbs/09e_persist_shards.ipynb #22bbbe1e
+# %% ../../nbs/09e_persist_shards.ipynb #5ce0c51d
 SHARD_BYTES = 64 << 20  # bytes of text per shard: a few seconds of tokenizing for one process
 
 
@@ -56,7 +58,7 @@ def shard_tasks(data: DataConfig, shard_bytes: int = SHARD_BYTES):
             if docs:
                 yield f"{name}.{split}.{k:05d}", name, split, docs
 
-# %% ../../nbs/09e_persist_shards.ipynb #5e81089d
+# %% ../../nbs/09e_persist_shards.ipynb #12dd9c78
 @functools.lru_cache(None)
 def codec_for(codec: str, tokenizer: str):
     "The codec of a data section, built once per process."
@@ -89,7 +91,7 @@ def finished_shard(root: Path, name: str, dtype, prepared_from: str) -> dict | N
     rec = json.loads(f.read_text())
     return rec if rec.get("prepared_from") == prepared_from and not check_shard(root, rec, dtype) else None
 
-# %% ../../nbs/09e_persist_shards.ipynb #21100fce
+# %% ../../nbs/09e_persist_shards.ipynb #7de478ac
 def write_manifest(root: Path, data: DataConfig, dm: dict, dtype, recs: list) -> dict:
     "The manifest: codec, id dtype, the preset's data manifest (sources, phases), every shard; written atomically."
     for r in recs:  # the curriculum phases whose mixture names the shard's source
@@ -100,7 +102,7 @@ def write_manifest(root: Path, data: DataConfig, dm: dict, dtype, recs: list) ->
     write_json_atomic(root / MANIFEST, m)
     return m
 
-# %% ../../nbs/09e_persist_shards.ipynb #d42bbbfd
+# %% ../../nbs/09e_persist_shards.ipynb #e2bf1cb2
 def _done(value) -> Future:
     f = Future()
     f.set_result(value)
@@ -139,7 +141,7 @@ def prepare_shards(
         fsync_dir(root)
         return write_manifest(root, data, dm, dtype, recs)
 
-# %% ../../nbs/09e_persist_shards.ipynb #b4260097
+# %% ../../nbs/09e_persist_shards.ipynb #398530e8
 @command(pos=["preset"])
 def cipher_data(
     action: str,  # what to do: prepare
