@@ -13,13 +13,18 @@ already decoded to `str`, as `datasets` would hand them over. A preset's consump
 `cipher_nb.config.sizing.flops_per_token`,
 times bytes per token: 1 for the byte-level FlexiTokens preset, `--bytes-per-token` (default 4.5, typical of a 32k
 BPE on English web text; the tokenizer row also measures it here, on code) for the token-level H100 preset.
+With `--tokenizer`, the corpus is also prepared once into pre-tokenized shards (`cipher-data prepare`, timed apart)
+and read back by the loader (`data.source: shards`), beside the outside baseline: nanoGPT's `get_batch`, random
+windows sliced from an `np.memmap` of one shard (no document boundaries, no resume state).
 """
 
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from cipher_nb.config.load import load_config
@@ -27,6 +32,7 @@ from cipher_nb.config.sizing import flops_per_token
 from cipher_nb.data.codecs import train_bpe
 from cipher_nb.data.loader import Packer, mixture_loader
 from cipher_nb.data.sources import stdlib_docs
+from cipher_nb.persist.shards import prepare_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 H100_BF16 = 989e12  # dense bf16 FLOP/s of an H100 SXM
@@ -43,6 +49,35 @@ def script_loop(texts, seq_len, max_bytes, bos=257, eos=258, pad=256):
                 x, y = torch.tensor(chunk[:-1], dtype=torch.long), torch.tensor(chunk[1:], dtype=torch.long)
                 y[y == pad] = -100
                 yield x.numel()
+
+
+def tcfg_args(c) -> list:
+    "The overrides of a tokenizer config's codec and batch shape (for a shards config beside it)."
+    d, t = c.data, c.training
+    return [
+        f"data.codec={d.codec}",
+        f"data.tokenizer={d.tokenizer}",
+        "data.heldout_frac=0.0",
+        f"training.seq_len={t.seq_len}",
+        f"training.batch_size={t.batch_size}",
+        f"model.vocab={c.model.vocab}",
+    ]
+
+
+def workers(c, n: int):
+    "A copy of `c` with `n` DataLoader workers."
+    return replace(c, data=replace(c.data, num_workers=n))
+
+
+def memmap_batches(shards: Path, manifest: dict, B: int, T: int, codec, seed: int = 0):
+    "nanoGPT's get_batch over the first training shard: B random windows of T + 1 ids, as int64 tensors; bytes each."
+    rec = next(r for r in manifest["shards"] if r["split"] == "train")
+    rng = np.random.default_rng(seed)
+    while True:  # nanoGPT re-opens the memmap every batch (to avoid a memory leak): so does this
+        ids = np.memmap(shards / f"{rec['name']}.bin", dtype=manifest["dtype"], mode="r")
+        ix = rng.integers(0, len(ids) - T - 1, B)
+        x = torch.from_numpy(np.stack([ids[i : i + T + 1] for i in ix]).astype(np.int64))
+        yield codec.count_bytes(x[:, :-1])
 
 
 def rate(counts, seconds):
@@ -146,6 +181,18 @@ def main():
                 ],
             )
             add(f"mixture_loader, tokenizer codec, {a.workers} DataLoader workers", tok_bytes(twcfg))
+        shards, procs = Path(tempfile.mkdtemp()) / "shards", max(1, a.workers)
+        t0 = time.perf_counter()
+        m = prepare_shards(tcfg.data, shards, procs=procs, shard_bytes=4 << 20, progress=False)
+        dt = time.perf_counter() - t0
+        print(f"  (prepared {m['tokens']['train'] / 1e6:.2f}M tokens into shards in {dt:.1f} s on {procs} processes)")
+        scfg = load_config(
+            None, [*(f"data.{k}={v}" for k, v in (("source", "shards"), ("path", shards))), *tcfg_args(tcfg)]
+        )
+        add("mixture_loader, from shards, in process", tok_bytes(scfg))
+        if a.workers:
+            add(f"mixture_loader, from shards, {a.workers} DataLoader workers", tok_bytes(workers(scfg, a.workers)))
+        add("nanoGPT get_batch (np.memmap random windows)", memmap_batches(shards, m, B, T, codec))
         sample = b"".join(stdlib_docs()[:200])
         print(f"  (this BPE: {len(sample) / len(codec.encode(sample)):.2f} bytes per token on stdlib code)")
     best = {name: 0.0 for name, _ in contenders}

@@ -7,9 +7,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/config_load.html.md"""
 # %% auto #0
 __all__ = ['LEGACY_KEYS', 'ROLES', 'ROLE_KEYED', 'ROLE_ALIASES', 'STAGE_DEFAULTS', 'MOE_MAX_LR', 'ConfigError', 'upgrade_roles',
            'upgrade_keys', 'build_section', 'config_from_dict', 'model_config', 'parse_duration', 'model_rules',
-           'schedule_rules', 'data_rules', 'sft_rules', 'validate', 'runbook_warnings', 'apply_overrides',
-           'DuplicateKeyError', 'UniqueKeyLoader', 'read_preset', 'load_config', 'save_config', 'critical_dict',
-           'config_hash', 'critical_diff']
+           'schedule_rules', 'global_batch_tokens', 'token_budget_steps', 'data_rules', 'sft_rules', 'validate',
+           'runbook_warnings', 'apply_overrides', 'DuplicateKeyError', 'UniqueKeyLoader', 'read_preset', 'load_config',
+           'save_config', 'critical_dict', 'config_hash', 'critical_diff']
 
 # %% ../../nbs/01_config_load.ipynb #4220b6fb
 import copy
@@ -368,6 +368,24 @@ def schedule_rules(s: ScheduleConfig) -> list:
         (0 <= s.min_lr <= s.lr, f"schedule.min_lr ({s.min_lr}) must lie in [0, schedule.lr ({s.lr})]"),
     ]
 
+# %% ../../nbs/01_config_load.ipynb #f59af221
+def global_batch_tokens(t: TrainConfig, world_size: int = 1) -> int:
+    "Tokens one optimizer step reads over all ranks: world x micro-batch x accumulation x seq_len."
+    return world_size * t.batch_size * t.grad_accum * t.seq_len
+
+
+def token_budget_steps(t: TrainConfig, world_size: int = 1) -> int:
+    "The optimizer steps `training.target_tokens` buys at `world_size` ranks (0 = no token budget)."
+    if not t.target_tokens:
+        return 0
+    per_step = global_batch_tokens(t, world_size)
+    if t.target_tokens < per_step:
+        raise ConfigError(
+            f"training.target_tokens ({t.target_tokens:,}) is less than one global batch ({per_step:,} tokens = "
+            f"{world_size} rank(s) x {t.batch_size} x {t.grad_accum} x {t.seq_len}): raise it or shrink the batch"
+        )
+    return t.target_tokens // per_step
+
 # %% ../../nbs/01_config_load.ipynb #7dd39671
 def data_rules(d: DataConfig) -> list:
     "(holds, message) for each rule of the data section."
@@ -405,6 +423,7 @@ def validate(cfg: Config) -> Config:
         values.update(_flat(section, s.name, critical_only=False))
     _check_bounds(values)
     _check_collections(cfg.optim, cfg.model, cfg.sft)
+    token_budget_steps(cfg.training)  # at world size 1; the builder checks again at the run's world size
     rules = [*model_rules(cfg.model), *schedule_rules(cfg.schedule), *data_rules(cfg.data), *sft_rules(cfg.sft)]
     corr = cfg.monitor.max_token_corr
     rules.append((0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"))

@@ -29,7 +29,7 @@ AttnKind = Literal["gqa", "mla"]
 CausalBPMode = Literal["causal_fixed", "adaptive"]
 BPMode = Literal[CausalBPMode, "topk"]  # topk is non-causal: refused for generation
 BPLoss = Literal["bce_binomial", "hinge"]
-Source = Literal["stdlib", "mock", "files", "hub"]
+Source = Literal["stdlib", "mock", "files", "hub", "shards"]  # shards: a directory `cipher-data prepare` wrote
 Codec = Literal["bytes", "tokenizer"]
 Precision = Literal["auto", "fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4"]
 FP8Recipe = Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"]
@@ -219,6 +219,7 @@ class TrainConfig:
     seq_len: int = 256
     batch_size: int = 16
     grad_accum: int = 1
+    target_tokens: int = 0  # tokens to train on: steps = this // tokens per global batch (0 = schedule.max_steps)
     precision: Precision = "auto"
     fp8_recipe: FP8Recipe = "rowwise"  # torchao float8 scaling for fp8
     seed: int = 0
@@ -363,6 +364,7 @@ AT_LEAST = {  # field -> (the least value that works, what the field counts)
     "training.seq_len": (2, "tokens per window: one input and one target at least"),
     "training.batch_size": (1, "windows per micro-batch"),
     "training.grad_accum": (1, "micro-batches per optimizer step"),
+    "training.target_tokens": (0, "tokens to train on (0 = the steps of schedule.max_steps)"),
     "training.log_every": (1, "steps between logged rows"),
     "training.eval_every": (1, "steps between held-out evaluations"),
     "training.checkpoint_every": (1, "steps between checkpoints"),

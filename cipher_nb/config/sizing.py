@@ -7,16 +7,30 @@ Docs: https://cipher-nb.github.io/cipher_nb/config_sizing.html.md"""
 # %% auto #0
 __all__ = ['attention_params', 'attention_flops_per_token', 'cached_layers', 'kv_bytes_per_token', 'block_params',
            'recurrence_params', 'engram_params', 'byte_level_params', 'param_counts', 'flops_per_token', 'engram_lines',
-           'kv_cache_line', 'describe', 'cipher_config']
+           'kv_cache_line', 'prepared_tokens', 'plan_line', 'describe', 'cipher_config']
 
 # %% ../../nbs/01d_config_sizing.ipynb #8aded5ce
+import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import yaml
 
 from ..cli import command, is_command
-from .load import Config, ConfigError, ModelConfig, config_hash, load_config, runbook_warnings
+from cipher_nb.config.load import (
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ScheduleConfig,
+    TrainConfig,
+    config_hash,
+    global_batch_tokens,
+    load_config,
+    runbook_warnings,
+    token_budget_steps,
+)
 
 # %% ../../nbs/01d_config_sizing.ipynb #73cb5b4c
 def attention_params(cfg: ModelConfig) -> int:
@@ -161,6 +175,29 @@ def kv_cache_line(m: ModelConfig) -> str:
         line += f"; grouped-query attention with {m.attention.n_kv_heads} KV heads: {gqa:,} ({gqa / n:.1f}x MLA)"
     return line
 
+# %% ../../nbs/01d_config_sizing.ipynb #2df2efea
+def prepared_tokens(data: DataConfig) -> int:
+    "The training tokens of a prepared shards directory (`data.source: shards`), from its manifest; 0 otherwise."
+    f = Path(data.path).expanduser() / "manifest.json"  # the format: cipher_nb.data.shards (a later band)
+    if data.source != "shards" or not f.is_file():
+        return 0
+    return int(json.loads(f.read_text()).get("tokens", {}).get("train", 0))
+
+
+def plan_line(t: TrainConfig, s: ScheduleConfig, world_size: int = 1, data_tokens: int = 0) -> str:
+    "`cipher-config`'s plan: steps, tokens and (given the data's size) epochs at `world_size` ranks."
+    per_step, bought = global_batch_tokens(t, world_size), token_budget_steps(t, world_size)
+    steps = min(s.max_steps, bought) if bought else s.max_steps
+    why = "schedule.max_steps" if steps == s.max_steps else f"training.target_tokens = {t.target_tokens:,}"
+    line = (
+        f"# plan at {world_size} rank(s): {steps:,} steps ({why}) x {per_step:,} tokens = {steps * per_step:,} tokens"
+    )
+    if data_tokens:
+        line += f", {steps * per_step / data_tokens:.2f} epochs of {data_tokens:,}"
+    if s.time_budget:
+        line += f"; at most: schedule.time_budget = {s.time_budget} plans the steps from their measured cost"
+    return line
+
 # %% ../../nbs/01d_config_sizing.ipynb #bfdc4b29
 def describe(cfg: Config) -> str:
     "The resolved config as YAML, then parameter counts, FLOPs per token and the hash."
@@ -182,10 +219,12 @@ def describe(cfg: Config) -> str:
 def cipher_config(
     path: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)
     *overrides: str,  # section.key=value overrides, e.g. model.moe.top_k=4
+    gpus: int = 1,  # plan the steps and tokens at this many ranks
 ):
     "Print a preset's resolved config, parameter counts and hash; exit 2 with the reason on one line if it is invalid."
     try:
         cfg = load_config(path, overrides)
+        plan = plan_line(cfg.training, cfg.schedule, gpus, prepared_tokens(cfg.data))
     except ConfigError as e:
         if not is_command(cipher_config):  # a Python call (a notebook, another CLI) sees the error itself
             raise
@@ -194,3 +233,4 @@ def cipher_config(
     for w in runbook_warnings(cfg.model, cfg.schedule, cfg.training.precision):  # on stderr: stdout stays YAML
         print(f"cipher-config: warning: {w}", file=sys.stderr)
     print(describe(cfg))
+    print(plan)

@@ -9,7 +9,7 @@ __all__ = ['SOURCE_KINDS', 'COMMIT_RE', 'PIECE_BYTES', 'HF_ROWS', 'HF_MAX_SKIP',
            'UnpinnedWarning', 'is_commit', 'unpinned_sources', 'pin_hint', 'warn_unpinned', 'doc_hash', 'is_heldout',
            'resolve_files', 'FileSpan', 'doc_size', 'iter_pieces', 'file_cuts', 'DataError', 'seed_of', 'ListStream',
            'HFStream', 'is_streamed', 'open_stream', 'heldout_mode', 'split_sources', 'has_heldout', 'source_documents',
-           'prepare_sources', 'check_trainable', 'data_manifest', 'data_fingerprint']
+           'prepare_sources', 'check_trainable', 'prepared_hash', 'data_manifest', 'data_fingerprint']
 
 # %% ../../nbs/02_data_sources.ipynb #a6bad338
 import array
@@ -77,8 +77,8 @@ def source_specs(data_cfg: DataConfig) -> dict:
         )
         if spec.source not in SOURCE_KINDS:
             raise ConfigError(f"{where}.source = {spec.source!r}: choose one of {', '.join(SOURCE_KINDS)}")
-        if spec.source in ("files", "hub") and not spec.path:
-            need = "file, folder or glob" if spec.source == "files" else "dataset name"
+        if spec.source in ("files", "hub", "shards") and not spec.path:
+            need = {"files": "file, folder or glob", "hub": "dataset name", "shards": "prepared directory"}[spec.source]
             raise ConfigError(f"{where}.path is empty: a '{spec.source}' source needs a {need}")
         if spec.source == "mock":
             mock_scripts(spec.path, where=f"{where}.path")
@@ -560,6 +560,8 @@ def has_heldout(data_cfg: DataConfig) -> bool:
         return False
     specs, frac, tail = split_sources(data_cfg, "heldout")
     for spec in specs.values():
+        if spec.source == "shards":
+            return True  # its held-out shards, as the manifest lists them (the loader reads them, or none)
         if is_streamed(spec):
             if tail:
                 open_stream(spec, "heldout", 0, 1, 0, frac, tail=tail)  # refused with the reason
@@ -596,6 +598,8 @@ def prepare_sources(data_cfg: DataConfig):
     for split in ("train", "heldout"):
         specs, _, tail = split_sources(data_cfg, split)
         for spec in specs.values():
+            if spec.source == "shards":
+                continue  # prepared: the loader verifies them against their manifest
             if spec.source == "stdlib":
                 _doc_hashes(stdlib_docs())
             elif spec.source == "mock":
@@ -613,7 +617,7 @@ def check_trainable(data_cfg: DataConfig):
     "Refuse (`DataError`) a source read as a list of documents whose training split holds no byte to train on."
     specs, frac, tail = split_sources(data_cfg, "train")
     for name, spec in sorted(specs.items()):
-        if is_streamed(spec):
+        if is_streamed(spec) or spec.source == "shards":  # streams and prepared shards are checked as they are read
             continue
         where = f"data.sources.{name}.path" if data_cfg.sources else "data.path"
         if why := ListStream(spec, "train", 0, 1, 0, frac, tail=tail, max_bytes=data_cfg.max_bytes).why_empty(where):
@@ -666,6 +670,17 @@ def _codec_manifest(d: DataConfig) -> dict:
     return dict(kind=d.codec, tokenizer=_content_hash(str(p), (s := p.stat()).st_size, s.st_mtime))
 
 
+def prepared_hash(path) -> str:
+    "SHA-256 of a prepared directory's manifest (which names every shard's hash); a `DataError` without one."
+    f = Path(path).expanduser() / "manifest.json"
+    if not f.is_file():
+        raise DataError(
+            f"data.path = '{path}' holds no prepared shards (no manifest.json): prepare it with: "
+            f"cipher-data prepare PRESET --out {path}"
+        )
+    return hashlib.sha256(f.read_bytes()).hexdigest()
+
+
 def data_manifest(data: DataConfig) -> dict:
     "What the data fingerprint hashes: sources and their content, document length, codec, held-out split, phases."
     srcs = {}
@@ -675,6 +690,9 @@ def data_manifest(data: DataConfig) -> dict:
             ident["documents"] = _files_manifest(stdlib_files())
         elif spec.source == "mock":
             ident["documents"] = [hashlib.blake2b(d, digest_size=16).hexdigest() for d in mock_docs(spec.path)]
+        elif spec.source == "shards":  # what was prepared, wherever the directory lives
+            ident["prepared"] = prepared_hash(spec.path)
+            ident.pop("path")
         elif spec.source == "files":
             ident.update(_text_files_manifest(resolve_files(spec.path, f"source {name!r} path"), data))
         else:

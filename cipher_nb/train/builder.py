@@ -38,6 +38,7 @@ from cipher_nb.config.load import (
     read_preset,
     runbook_warnings,
     save_config,
+    token_budget_steps,
 )
 from ..config.sizing import flops_per_token, param_counts
 from ..core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
@@ -219,7 +220,8 @@ def build_trainer(
     model, choice, kernels = convert_or_fall_back(model, choice, min_dim=cfg.training.fp8_min_dim)  # bf16 if it fails
     wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)
     optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
-    plan = Schedule(cfg.schedule)  # the horizon's one owner: the trainer, its curriculum and the loader's read it
+    # the horizon's one owner: the trainer, its curriculum and the loader's read it
+    plan = Schedule(cfg.schedule, token_steps=token_budget_steps(cfg.training, env.world_size))
     loader, heldout = hooks.data(env.rank, env.world_size, plan)
     if not heldout and env.is_main:
         print(NO_HELDOUT, file=sys.stderr)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..callbacks import run_callbacks
-from ..config.load import Config, ScheduleConfig, parse_duration
+from ..config.load import Config, ScheduleConfig, parse_duration, token_budget_steps
+from ..config.sizing import prepared_tokens
 from ..core import DistEnv, autocast, autocast_dtype, dist_env
 from ..model.roles import clip_groups, params_with_role
 from ..monitor.metrics import mem_gb, mfu, sum_over_ranks
@@ -131,15 +132,21 @@ BUDGET_WARM_STEPS, BUDGET_CALIBRATION_STEPS = 2, 5  # steps left out of the cost
 class Schedule:
     "The plan of a run: its optimizer steps, its warmup and the learning rate at a step; a time budget re-plans them."
 
-    def __init__(self, config: ScheduleConfig, clock=time.perf_counter):
-        self.config = config  # lr, min_lr, and max_steps: the most any plan takes
+    def __init__(self, config: ScheduleConfig, clock=time.perf_counter, token_steps: int = 0):
+        self.config = config  # lr, min_lr, max_steps
         self.clock = clock  # what training time is measured with (a fake in tests)
-        self._steps = torch.tensor([config.max_steps]).share_memory_()  # `max_steps`, seen by forked loader workers
+        self.token_steps = token_steps  # the steps training.target_tokens buys (0 = no token budget)
+        self._steps = torch.tensor([self.cap]).share_memory_()  # `max_steps`, seen by forked loader workers
         self.warmup_steps = config.warmup_steps
         self.budget = parse_duration(config.time_budget) if config.time_budget else None  # seconds of training
         self.train_seconds = 0.0  # training time spent, in this process and before a resume
         self.timed = [0, 0.0]  # steps and seconds this process measured after its first warm-up steps
         self.planned = self.budget is None  # a budget's step count is known once a step's cost has been measured
+
+    @property
+    def cap(self) -> int:
+        "The most any plan takes: schedule.max_steps, or fewer when a token budget buys fewer."
+        return min(self.config.max_steps, self.token_steps) if self.token_steps else self.config.max_steps
 
     @property
     def max_steps(self) -> int:
@@ -171,7 +178,7 @@ class Schedule:
         if self.budget is None or n < BUDGET_CALIBRATION_STEPS:
             return False
         left = max(0.0, self.budget - self.train_seconds)
-        planned = min(self.config.max_steps, step + int(left / (spent / n)))
+        planned = min(self.cap, step + int(left / (spent / n)))
         if agree is not None:  # every rank takes the same plan
             planned = agree(planned)
         if not self.planned:  # the first plan: fit the warmup too
@@ -182,6 +189,8 @@ class Schedule:
     def report(self) -> dict:
         "The plan, for the run record's `schedule`: its steps and warmup, and what a time budget bought."
         plan = dict(max_steps=self.horizon, warmup_steps=self.warmup_steps)
+        if self.token_steps:  # what training.target_tokens bought, before schedule.max_steps capped it
+            plan["token_steps"] = self.token_steps
         if self.budget is None:
             return plan
         return dict(plan, time_budget_s=self.budget, train_seconds=round(self.train_seconds, 1))
@@ -281,9 +290,10 @@ class Trainer:
         self.clip_groups = clip_groups(self.raw_model, cfg.optim.clip_groups)  # by parameter role
         self.bp_params = params_with_role(self.raw_model, "boundary")
         # the plan: how many steps the run takes, and its warmup (schedule.time_budget re-plans both)
-        self.schedule = schedule or Schedule(cfg.schedule, clock)
+        self.schedule = schedule or Schedule(cfg.schedule, clock, token_budget_steps(cfg.training, self.env.world_size))
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
+        self.data_tokens = prepared_tokens(cfg.data)  # a prepared directory's training tokens (0: not known)
         self.nonfinite_run = 0  # non-finite steps in a row
         self.bp_mode = None  # the boundary predictor's mode for this step (None: the model's default)
         self.last_out = None  # the model output of the last micro-batch (the monitor reads its stats)
@@ -457,6 +467,8 @@ class Trainer:
         if self.curriculum is not None and len(self.curriculum.phases) > 1:
             row["curriculum/phase"] = self.curriculum.phase(self.step - 1)
         row.update(self.data_counts())
+        if self.data_tokens:  # passes over the prepared training tokens
+            row["data/epochs"] = self.tokens / self.data_tokens
         return row
 
     def data_counts(self) -> dict:

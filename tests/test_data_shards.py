@@ -1,0 +1,145 @@
+"""Pre-tokenized shards as a run uses them: the held-out bpb of one model is the same read from shards and on the
+fly (byte codec); cipher-train trains from shards to a token budget; a damaged, foreign or empty prepared directory is
+refused in one line, exit 2, nothing trained."""
+
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import TINY, rows
+from test_reliability import in_process, nothing_written
+
+from cipher_nb.config.load import load_config
+from cipher_nb.data.codecs import build_codec
+from cipher_nb.data.loader import mixture_loader
+from cipher_nb.model.lm import CipherModel
+from cipher_nb.monitor.metrics import heldout_metrics
+from cipher_nb.persist.shards import prepare_shards
+
+MOCK = ["data.source=mock", "data.heldout_frac=0.2"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    "The mock corpus prepared in one process, in shards of about 64 kB of text; prepared again, nothing changes."
+    out = tmp_path_factory.mktemp("shards") / "mock"
+    data = load_config(None, MOCK).data
+    first = prepare_shards(data, out, procs=1, shard_bytes=1 << 16, progress=False)
+    assert prepare_shards(data, out, procs=1, shard_bytes=1 << 16, progress=False) == first  # a re-run keeps them
+    return out
+
+
+def test_heldout_bpb_is_the_same_from_shards_and_on_the_fly(prepared):
+    fly = load_config(None, [*TINY, *MOCK])
+    shards = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}"])
+    torch.manual_seed(0)
+    model = CipherModel(fly.model).eval()
+    lengths = torch.as_tensor(build_codec(fly.data).byte_lengths)
+    metrics = []
+    for cfg in (fly, shards):
+        loader = mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "heldout", 0, 1)
+        batches = list(itertools.islice(loader, 8))  # the first windows: enough to see any difference in packing
+        assert len(batches) == 8
+        with torch.no_grad():
+            metrics.append(heldout_metrics(model, batches, lengths))
+    assert metrics[0]["val/bpb"] == metrics[1]["val/bpb"], metrics
+
+
+def test_cipher_train_trains_from_shards_to_a_token_budget(prepared, tmp_path):
+    # 2 windows x 64 tokens a step: a budget of 3 steps and a half buys 3 steps, under schedule.max_steps
+    r = in_process(
+        *TINY,
+        "data.source=shards",
+        f"data.path={prepared}",
+        "training.target_tokens=448",
+        "schedule.max_steps=100",
+        "schedule.warmup_steps=1",
+        "training.log_every=1",
+        "training.eval_batches=1",
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+    )
+    assert r.code == 0, r.err[-2000:]
+    logged = [row for row in rows(tmp_path / "run") if "loss" in row]
+    assert [row["step"] for row in logged] == [1, 2, 3]
+    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
+    assert logged[-1]["data/epochs"] == pytest.approx(3 * 128 / train)  # passes over the prepared tokens
+
+
+def truncate(d):
+    f = sorted(d.glob("*.train.*.bin"))[0]
+    f.write_bytes(f.read_bytes()[:-1])
+
+
+def alter(d):
+    f = sorted(d.glob("*.train.*.bin"))[0]
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 1
+    f.write_bytes(bytes(b))
+
+
+def other_codec(d):
+    m = json.loads((d / "manifest.json").read_text())
+    m["codec"] = dict(kind="tokenizer", tokenizer="0123456789abcdef")
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def empty(d):
+    shutil.rmtree(d)
+    d.mkdir()
+
+
+BAD = [  # (what, how the prepared copy is damaged, the fragment of the one line)
+    ("a truncated shard", truncate, "(truncated or altered)"),
+    ("an altered shard", alter, "differs from its manifest's SHA-256"),
+    ("another codec's manifest", other_codec, "prepared with the codec"),
+    ("an empty prepared directory", empty, "holds no prepared shards"),
+]
+
+
+@pytest.mark.parametrize("what,damage,says", BAD, ids=[b[0] for b in BAD])
+def test_bad_shards_are_refused_before_step_0(prepared, tmp_path, what, damage, says):
+    d = tmp_path / "shards"
+    shutil.copytree(prepared, d)
+    damage(d)
+    r = in_process(*TINY, "data.source=shards", f"data.path={d}", "--out", tmp_path / "run", "--quiet")
+    assert r.code == 2 and says in r.last, (r.code, r.err[-2000:])
+    nothing_written(tmp_path)
+
+
+def test_cipher_config_plans_in_epochs_of_the_prepared_tokens_and_refuses_a_budget_under_one_batch(prepared):
+    from conftest import ROOT, run_in_process
+
+    from cipher_nb.config.sizing import cipher_config
+
+    preset = ROOT / "examples/configs/tiny-cpu.yaml"
+    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
+    shards = ["data.source=shards", f"data.path={prepared}", "schedule.max_steps=100000"]
+    budget = f"training.target_tokens={2 * train}"
+    r = run_in_process(cipher_config, preset, *TINY, *shards, budget, "--gpus", "2", pos=["path"])
+    steps = 2 * train // (2 * 2 * 64)  # 2 ranks x 2 windows x 64 tokens a step
+    plan = f"# plan at 2 rank(s): {steps:,} steps (training.target_tokens = {2 * train:,}) x 256 tokens"
+    assert r.returncode == 0 and plan in r.stdout, r.stdout[-500:]
+    assert f", {steps * 256 / train:.2f} epochs of {train:,}" in r.stdout
+    r = run_in_process(cipher_config, preset, *TINY, "training.target_tokens=1000", "--gpus", "8", pos=["path"])
+    assert r.returncode == 2 and "less than one global batch (1,024 tokens = 8 rank(s)" in r.stderr, r.stderr
+
+
+def test_a_loader_over_shards_resumes_exactly(prepared):
+    "k batches, the loader's state, a new loader from it: the next batches are those of an uninterrupted loader."
+    cfg = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}"])
+
+    def loader():
+        return mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", 0, 1)
+
+    straight = [b["input_ids"].tolist() for b in itertools.islice(loader(), 12)]
+    first = loader()
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    assert [b["input_ids"].tolist() for b in itertools.islice(resumed, 7)] == straight[5:]
