@@ -135,7 +135,7 @@ def budgeted(a, name: str) -> bool:
 
 
 def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
-    "A trainer for contender `name` (no checkpoints, record, monitor or callbacks: the step alone) and its overrides."
+    "A trainer for contender `name` (no checkpoints, record, monitor, callbacks but MoE balancing) and its overrides."
     from cipher_nb.config.load import load_config
 
     if name == BASELINE:
@@ -150,7 +150,7 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
         )
         tr.cfg = cfg
         return tr, over
-    from cipher_nb.train.builder import build_trainer
+    from cipher_nb.train.builder import MoEBalancing, build_trainer
 
     over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f"training.seed={seed}"]
     if budgeted(a, name):  # the trainer plans the steps that fit the budget, on this script's clock
@@ -166,7 +166,7 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     tr = build_trainer(cfg, run_dir, progress=False)
     tr.schedule.clock = time.process_time if a.clock == "cpu" else time.perf_counter
     tr.checkpoints = tr.record = tr.monitor = None
-    tr.callbacks = []
+    tr.callbacks = [cb for cb in tr.callbacks if isinstance(cb, MoEBalancing)]  # the step keeps its bias balancing
     tr.model.train()
     return tr, over
 
