@@ -6,9 +6,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/optim_optimizers.html.md"""
 
 # %% auto #0
 __all__ = ['NO_DECAY', 'OPTIMIZERS', 'MUON_ROLES', 'MUON_EXPERTS', 'weight_decay', 'lr_multiplier', 'param_groups', 'adamw',
-           'adamw8bit', 'build_optimizer', 'optimizer_kind', 'muon_names', 'newton_schulz', 'ExpertMuon', 'MuonAdamW',
-           'build_muon', 'OptimizerResetWarning', 'optimizer_state', 'is_torchao_state', 'load_optimizer_state',
-           'lr_at', 'set_lr']
+           'adamw8bit', 'build_optimizer', 'optimizer_kind', 'muon_names', 'ns_dtype', 'newton_schulz', 'ExpertMuon',
+           'MuonAdamW', 'build_muon', 'OptimizerResetWarning', 'optimizer_state', 'is_torchao_state',
+           'load_optimizer_state', 'lr_at', 'set_lr']
 
 # %% ../../nbs/08a_optim_optimizers.ipynb #ff2fa6f4
 import math
@@ -130,9 +130,16 @@ def muon_names(model: nn.Module, lr_mult: dict, ndim: int = 2) -> list:
     ]
 
 # %% ../../nbs/08a_optim_optimizers.ipynb #a1e7c0d2
+def ns_dtype(device: torch.device) -> torch.dtype:
+    "The dtype Newton-Schulz runs in: bfloat16 on a GPU (as torch's Muon), float32 on a CPU (most emulate bfloat16)."
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def newton_schulz(g: torch.Tensor, steps: int = 5, abc: tuple = (3.4445, -4.7750, 2.0315), eps: float = 1e-7):
-    "Muon's quintic Newton-Schulz on every matrix of `g` [experts, rows, cols] at once, in bfloat16."
-    x, tall = g.bfloat16(), g.size(-2) > g.size(-1)
+    "Muon's quintic Newton-Schulz on a matrix, or on every matrix of `g` [experts, rows, cols] at once."
+    if g.dim() == 2:
+        return newton_schulz(g[None], steps, abc, eps)[0]
+    x, tall = g.to(ns_dtype(g.device)), g.size(-2) > g.size(-1)
     x = x.mT if tall else x
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     a, b, c = abc
@@ -143,7 +150,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, abc: tuple = (3.4445, -4.7750
 
 
 class ExpertMuon(torch.optim.Optimizer):
-    "Muon for stacked `[experts, out, in]` weights: each expert's matrix orthogonalized on its own, batched."
+    "Muon for matrices `[out, in]` or stacked `[experts, out, in]` weights, each matrix orthogonalized on its own."
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, **ns):
         ns = {**dict(ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5), **ns}
@@ -239,6 +246,8 @@ def build_muon(model: nn.Module, optim: OptimConfig, lr: float, experts: bool | 
 
     muon = torch.optim.Muon([group(names)], lr=o.muon_lr, momentum=o.muon_momentum)
     same = {k: v for k, v in muon.defaults.items() if k != "adjust_lr_fn"}  # torch's Muon hyperparameters
+    if next(model.parameters()).device.type != "cuda":  # torch's Muon runs Newton-Schulz in bfloat16 only
+        muon = ExpertMuon([group(names)], **same)  # the same step, in float32 (`ns_dtype`)
     expert_muon = ExpertMuon([group(stacked)], **same) if stacked else None
     rest = adamw(param_groups(model, optim, lr, exclude=set(names + stacked)), optim, lr)
     return MuonAdamW(muon, rest, expert_muon)
