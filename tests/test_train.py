@@ -84,6 +84,7 @@ def test_default_run_writes_the_run_directory(tmp_path):
     assert rec["export"] and rec["evals"] and rec["precision"]["mode"] == "fp32"
     # what ran, read from the model after its first step
     kernels = {"compiled": False, "activation_checkpoint": "none", "attention": "sdpa", "moe": "grouped"}
+    kernels["allocator"] = "default (not CUDA)"  # expandable segments on CUDA
     assert rec["kernels"] == kernels, rec["kernels"]
     assert rec["optimizer"]["kind"] == "adamw"
     assert rec["warnings"] == [] and "warning" not in r.stderr  # lr 1e-3 breaks no rule in fp32 (auto on a CPU)
