@@ -157,6 +157,27 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+_planned = {}  # (preset config, checkpointing) -> the planner's peak in GiB
+
+
+def planned_gib(cfg, ac: bool) -> float | None:
+    "cipher-plan's bf16 peak on one GPU at the preset's micro-batch (fake tensors, on the CPU), beside the GPU's."
+    from dataclasses import replace
+
+    from cipher_nb.train.plan import trace_step
+
+    key = (id(cfg), ac)
+    if key not in _planned:
+        t = replace(cfg.training, activation_checkpoint="full" if ac else "none")
+        try:
+            phases = trace_step(cfg.model, t, cfg.optim, t.batch_size, 1, dtype=torch.bfloat16)
+            _planned[key] = max(sum(by.values()) for by in phases.values()) / 2**30
+        except Exception as e:  # the planner's failure is reported, the GPU check goes on
+            print(f"  planner failed for this mode: {type(e).__name__}: {str(e)[:200]}")
+            _planned[key] = None
+    return _planned[key]
+
+
 def run_mode(cfg, spec: str, device, steps: int, warmup: int, emulate: bool, cpu_compile: bool) -> dict:
     "Train a fresh model for `warmup` + `steps` steps in mode `spec`; return its measurements."
     m = parse_mode(spec)
@@ -227,6 +248,7 @@ def run_mode(cfg, spec: str, device, steps: int, warmup: int, emulate: bool, cpu
         step_ms=1000 * dt / steps,
         first_s=first_s,
         mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        plan_gb=planned_gib(cfg, m["ac"]),
         loss_first=losses[0],
         loss_last=losses[-1],
         experts=report["experts"].get("path", f"{choice.mode} autocast"),
@@ -243,7 +265,8 @@ def table(rows: list, fpt: float, peak: float) -> str:
     "The side-by-side table of one preset, with ratios to its first mode that ran."
     base = next((r for r in rows if "tok_s" in r), None)
     head = (
-        f"{'mode':<18}{'tok/s':>12}{'MFU':>8}{'ms/step':>9}{'peak GB':>9}{'lowp FLOPs':>11}{'tok/s x':>9}{'mem x':>7}"
+        f"{'mode':<18}{'tok/s':>12}{'MFU':>8}{'ms/step':>9}{'peak GB':>9}{'plan GB':>9}{'lowp FLOPs':>11}{'tok/s x':>9}"
+        f"{'mem x':>7}"
         f"{'1st step s':>11}{'converted':>10}  experts"
     )
     lines = [head, "-" * len(head)]
@@ -253,9 +276,10 @@ def table(rows: list, fpt: float, peak: float) -> str:
             continue
         mfu = fpt * r["tok_s"] / peak
         mem = f"{r['mem_gb']:.2f}" if r["mem_gb"] is not None else "-"
+        plan = f"{r['plan_gb']:.2f}" if r.get("plan_gb") is not None else "-"
         memx = f"{r['mem_gb'] / base['mem_gb']:.2f}" if r["mem_gb"] and base["mem_gb"] else "-"
         lines.append(
-            f"{r['spec']:<18}{r['tok_s']:>12,.0f}{mfu:>8.1%}{r['step_ms']:>9.1f}{mem:>9}{r['lowp_share']:>11.0%}"
+            f"{r['spec']:<18}{r['tok_s']:>12,.0f}{mfu:>8.1%}{r['step_ms']:>9.1f}{mem:>9}{plan:>9}{r['lowp_share']:>11.0%}"
             f"{r['tok_s'] / base['tok_s']:>9.2f}{memx:>7}{r['first_s']:>11.1f}{r['n_converted']:>10}  {r['experts']}"
         )
     return "\n".join(lines)
