@@ -150,8 +150,24 @@ def trainer(a, name: str, budget: float, root: Path, seed: int, steps: int, run_
     )
 
 
+def cost_key(name: str) -> str:
+    """The contender whose step cost `name` shares: only dropout changes the work of a step (early stopping ends a run
+    sooner, the memory tables' decay is one more term of an update AdamW makes anyway)."""
+    if name == BASELINE:
+        return BASELINE
+    return "recipe+dropout" if "dropout" in contender_parts(name) else "recipe"
+
+
 def calibrate(a, names: list, root: Path) -> dict:
-    "Seconds per training step of each contender: the median of interleaved timed rounds in this process."
+    """Seconds per training step of each contender: the median of interleaved timed rounds in this process, one timing
+    per kind of step (`cost_key`), so contenders with the same step get the same steps, not two noisy draws."""
+    keys = list(dict.fromkeys(cost_key(n) for n in names))
+    costs = time_steps(a, keys, root)
+    return {n: costs[cost_key(n)] for n in names}
+
+
+def time_steps(a, names: list, root: Path) -> dict:
+    "Seconds per training step of each contender in `names`: the median of interleaved timed rounds."
     import statistics
 
     import torch
