@@ -8,15 +8,20 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_plan.html.md"""
 __all__ = ['GPUS', 'CUDA_CONTEXT_GIB', 'NCCL_GIB', 'HEADROOM', 'GiB', 'CATEGORIES', 'OFFLOADED', 'MOST_MICRO_BATCH', 'GPU',
            'capacity_gib', 'grouped_mm_flop', 'cpu_attention_flop', 'cpu_attention_backward_flop',
            'register_flop_formulas', 'DataBound', 'flash_attention', 'gpu_attention', 'PhasePeaks', 'PhaseTracker',
-           'FSDPPhaseTracker', 'fake_world', 'gpu_dtype', 'traced_step', 'trace_step', 'planned_segments',
-           'count_flops', 'phase_lines', 'largest_fit', 'Plan', 'peak', 'search_micro_batch', 'plan_run', 'plan_fixes',
-           'plan_lines', 'cipher_plan']
+           'FSDPPhaseTracker', 'fake_world', 'gpu_dtype', 'prime_state', 'traced_step', 'trace_step',
+           'planned_segments', 'count_flops', 'phase_lines', 'largest_fit', 'Plan', 'peak', 'search_micro_batch',
+           'plan_run', 'plan_fixes', 'misfit_line', 'plan_lines', 'cipher_plan', 'gpu_of', 'cached_plan',
+           'preflight_plan']
 
 # %% ../../nbs/11c_train_plan.ipynb #a9c9eed7
+import hashlib
 import math
+import subprocess
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from json import dumps
+from json import dumps, loads
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +40,7 @@ from ..core import autocast
 from ..model.lm import CipherModel
 from ..optim.optimizers import build_optimizer
 from ..optim.parallel import apply_ac, apply_fsdp
+from ..persist.files import write_json_atomic
 
 # %% ../../nbs/11c_train_plan.ipynb #ac0cb82e
 @dataclass(frozen=True)
@@ -205,6 +211,16 @@ def gpu_dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
 
 
+def prime_state(model, parts):
+    "Step each optimizer once on zero gradients: every step after the first holds its state through the whole step."
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    for o in parts:
+        o.step()
+        o.zero_grad(set_to_none=True)
+
+
 def traced_step(model, opt, ids, dtype, tracker):
     "One training step of `model` on `ids` under `tracker`, which it tells the phase."
     with tracker:
@@ -240,8 +256,8 @@ def trace_step(
             parts = getattr(opt, "parts", [opt])  # Muon with AdamW: each a torch optimizer
             tracker = FSDPPhaseTracker(model, parts[-1]) if fsdp else PhaseTracker()
             tracker.offload = fsdp and training.cpu_offload
-            if not fsdp:
-                tracker.track_external(model, *parts)
+            prime_state(model, parts)  # the steady state: the first step's forward and backward have no state yet
+            tracker.track_external(*parts, *([] if fsdp else [model]))
             ids = torch.zeros(micro_batch, training.seq_len, dtype=torch.long)
             peaks = traced_step(model, opt, ids, dtype, tracker)
     if world > 1 and not fsdp:
@@ -391,6 +407,14 @@ def plan_fixes(p: Plan, training: TrainConfig) -> list:
     return fixes
 
 # %% ../../nbs/11c_train_plan.ipynb #e04bc64b
+def misfit_line(p: Plan, training: TrainConfig) -> str:
+    "One line for a plan that does not fit: the peak against the limit, and the fixes in the order to try them."
+    return (
+        f"peak {p.peak_gib:.1f} GiB > {p.limit_gib:.1f} GiB on {GPUS[p.gpu].name} at micro-batch {p.micro_batch}; "
+        f"try {', then '.join(plan_fixes(p, training)) or 'a larger GPU'}"
+    )
+
+
 def plan_lines(p: Plan) -> list:
     "The plan as a short table a person reads in ten seconds."
     gpu, c = GPUS[p.gpu], p.categories_gib
@@ -427,7 +451,43 @@ def cipher_plan(
         raise CliError(f"cipher-plan: {e}") from None
     print(dumps(p.to_dict()) if json else "\n".join([f"cipher-plan {path or 'defaults'}", *plan_lines(p)]))
     if not p.fits:
-        raise CliError(
-            f"cipher-plan: peak {p.peak_gib:.1f} GiB > {p.limit_gib:.1f} GiB on {GPUS[gpu].name} at micro-batch "
-            f"{p.micro_batch}; try {', then '.join(plan_fixes(p, cfg.training)) or 'a larger GPU'}"
-        )
+        raise CliError(f"cipher-plan: {misfit_line(p, cfg.training)}")
+
+# %% ../../nbs/11c_train_plan.ipynb #8702d9dc
+def gpu_of(name: str, memory_gib: float) -> str | None:
+    "The planner's name for the CUDA device `name` with `memory_gib` of memory, None for one it does not know."
+    key = next((k for k in GPUS if k in name.lower()), None)
+    return key if key and abs(GPUS[key].memory_gib / memory_gib - 1) < 0.05 else None
+
+# %% ../../nbs/11c_train_plan.ipynb #1094dcb7
+def cached_plan(config_path: Path, world: int, gpu: str, cache: Path) -> dict:
+    "`cipher-plan --json` of the run saved at `config_path`, from `cache` when it was made for the same config."
+    key = hashlib.sha256(f"{Path(config_path).read_text()}|{world}|{gpu}".encode()).hexdigest()
+    try:
+        saved = loads(Path(cache).read_text())
+        if saved["key"] == key:
+            return saved["plan"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no plan yet, or not this config's: plan again
+    run = "import sys; from cipher_nb.cli import run_command; from cipher_nb.train.plan import cipher_plan as c"
+    cmd = [sys.executable, "-c", f"{run}; sys.exit(run_command(c, pos=['path']))"]
+    proc = subprocess.run(
+        [*cmd, str(config_path), "--gpus", str(world), "--gpu", gpu, "--json"], capture_output=True, text=True
+    )
+    if proc.returncode not in (0, 2):  # 2: planned, and it does not fit
+        raise RuntimeError(f"cipher-plan failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    plan = loads(proc.stdout.strip().splitlines()[-1])
+    write_json_atomic(cache, {"key": key, "plan": plan})
+    return plan
+
+# %% ../../nbs/11c_train_plan.ipynb #21af07ba
+def preflight_plan(run_dir: Path, world: int, name: str, memory_gib: float, training: TrainConfig) -> dict:
+    "Plan a run on `world` x the GPU `name`, warn when it does not fit, and return what its record keeps."
+    gpu = gpu_of(name, memory_gib)
+    if gpu is None:
+        return {"planned": False, "why": f"the planner does not know {name} ({memory_gib:.1f} GiB)"}
+    p = cached_plan(Path(run_dir) / "config.yaml", world, gpu, Path(run_dir) / "plan.json")
+    if not p["fits"]:
+        plan = Plan(**{k: v for k, v in p.items() if k in Plan.__dataclass_fields__})
+        print(f"PlanWarning: {misfit_line(plan, training)}", file=sys.stderr)
+    return {"planned": True, **{k: p[k] for k in ("gpu", "peak_gib", "limit_gib", "fits", "max_micro_batch")}}
