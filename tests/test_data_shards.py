@@ -143,3 +143,30 @@ def test_a_loader_over_shards_resumes_exactly(prepared):
     resumed = loader()
     resumed.load_state_dict(first.state_dict())
     assert [b["input_ids"].tolist() for b in itertools.islice(resumed, 7)] == straight[5:]
+
+
+def global_batches(prepared, world, batch, accum, steps, state=None):
+    "Each step's global batch (every rank's micro-batches end to end) of `world` loaders, and rank 0's state after."
+    over = [f"training.batch_size={batch}", f"training.grad_accum={accum}", "data.doc_mask=true"]
+    cfg = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}", *over])
+    loaders = [mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", r, world) for r in range(world)]
+    for ld in loaders:
+        if state is not None:
+            ld.load_state_dict(json.loads(json.dumps(state)))
+    its = [iter(ld) for ld in loaders]
+    out = []
+    for _ in range(steps):
+        micro = [next(it) for it in its for _ in range(accum)]  # rank by rank, micro-step by micro-step
+        out.append({k: torch.cat([b[k] for b in micro]).tolist() for k in ("input_ids", "doc_ids")})
+    return out, loaders[0].state_dict()
+
+
+def test_the_replay_plan_continues_on_another_number_of_ranks(prepared):
+    "A 2-rank run resumed on 4 ranks (and on 2) reads the global batches of an uninterrupted one; another is refused."
+    straight, _ = global_batches(prepared, 2, 2, 2, 6)  # 8 windows a step
+    head, state = global_batches(prepared, 2, 2, 2, 3)
+    assert head == straight[:3]
+    assert global_batches(prepared, 4, 2, 1, 3, state)[0] == straight[3:]  # 4 ranks x 2 windows
+    assert global_batches(prepared, 2, 2, 2, 3, state)[0] == straight[3:]  # exact resume on the same layout
+    with pytest.raises(ValueError, match="global batch of windows .* of 8, this run's is 4"):
+        global_batches(prepared, 4, 1, 1, 1, state)

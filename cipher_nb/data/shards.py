@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_shards.html.md"""
 
 # %% auto #0
 __all__ = ['MANIFEST', 'FORMAT', 'shard_dtype', 'document_ids', 'encode_shard', 'read_manifest', 'shard_file', 'shard_sizes',
-           'file_sha256', 'open_shard', 'check_shard', 'verify_shards', 'ShardStream']
+           'file_sha256', 'open_shard', 'check_shard', 'verify_shards', 'ShardStream', 'ReplayPlan', 'plan_window']
 
 # %% ../../nbs/02ab_data_shards.ipynb #0ed1c47a
 import functools
@@ -181,3 +181,54 @@ def next_doc(self: ShardStream):
         self.st["i"] += 1
         self.st["seen"] += 1
         return self.doc(int(self._order[self.st["i"] - 1]))
+
+# %% ../../nbs/02ab_data_shards.ipynb #598d003b
+class ReplayPlan:
+    "The training split of a prepared directory as one endless stream of ids, each epoch in a fixed permutation."
+
+    def __init__(self, path, seed: int, name: str = "main"):
+        m = read_manifest(path)
+        recs = [r for r in m["shards"] if r["split"] == "train"]
+        self.seed, self.name, self.maps = seed, name, [open_shard(path, r, m["dtype"]) for r in recs]
+        self.shard_of = np.repeat(np.arange(len(recs)), [r["docs"] for r in recs])  # [docs]
+        self.first = np.concatenate([np.asarray(s[:-1], np.int64) for _, s in self.maps])  # [docs] start in its shard
+        self.lengths = np.concatenate([np.diff(np.asarray(s, np.int64)) for _, s in self.maps])  # [docs]
+        self.epoch_tokens = int(self.lengths.sum())
+        if not self.epoch_tokens:
+            raise DataError(f"data.path = '{path}': its training shards hold no token: prepare it again")
+        self._orders = {}  # epoch -> (order, cumulative tokens): the current and the next epoch
+
+    def order(self, epoch: int) -> tuple:
+        "(documents in epoch `epoch`'s order [docs], their cumulative token counts [docs + 1])."
+        if epoch not in self._orders:
+            perm = np.random.default_rng(seed_of(self.seed, self.name, epoch)).permutation(len(self.lengths))
+            cum = np.zeros(len(perm) + 1, np.int64)
+            np.cumsum(self.lengths[perm], out=cum[1:])
+            self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}  # the workers keep two at most
+            self._orders[epoch] = (perm, cum)
+        return self._orders[epoch]
+
+# %% ../../nbs/02ab_data_shards.ipynb #0d0b8700
+@patch
+def read(self: ReplayPlan, pos: int, n: int) -> tuple:
+    "(ids [n] int64, document numbers [n] int64) of the stream from position `pos`."
+    ids, docs, got = np.empty(n, np.int64), np.empty(n, np.int64), 0
+    while got < n:
+        epoch, off = divmod(pos + got, self.epoch_tokens)
+        perm, cum = self.order(epoch)
+        j = int(np.searchsorted(cum, off, side="right")) - 1  # the document holding position `off`
+        while got < n and j < len(perm):
+            k, skip = int(perm[j]), off - int(cum[j])
+            take = min(n - got, int(self.lengths[k]) - skip)
+            src, _ = self.maps[self.shard_of[k]]
+            start = int(self.first[k]) + skip
+            ids[got : got + take] = src[start : start + take]
+            docs[got : got + take] = epoch * len(perm) + j
+            got, off, j = got + take, off + take, j + 1
+    return ids, docs
+
+# %% ../../nbs/02ab_data_shards.ipynb #fcc3c89a
+def plan_window(step: int, micro: int, rank: int, world_size: int, batch_size: int, grad_accum: int) -> int:
+    "The first window that rank `rank` reads at accumulation micro-step `micro` of global step `step`."
+    per_rank = batch_size * grad_accum
+    return (step * world_size + rank) * per_rank + micro * batch_size
