@@ -31,6 +31,15 @@ def prepared(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    "256 documents of one byte each (BOS, byte, EOS): an epoch in a few steps."
+    out = tmp_path_factory.mktemp("small") / "latin"
+    data = load_config(None, [*MOCK, "data.path=latin", "data.max_bytes=1"]).data
+    prepare_shards(data, out, procs=1, progress=False)
+    return out
+
+
 def test_heldout_bpb_is_the_same_from_shards_and_on_the_fly(prepared):
     fly = load_config(None, [*TINY, *MOCK])
     shards = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}"])
@@ -47,26 +56,33 @@ def test_heldout_bpb_is_the_same_from_shards_and_on_the_fly(prepared):
     assert metrics[0]["val/bpb"] == metrics[1]["val/bpb"], metrics
 
 
-def test_cipher_train_trains_from_shards_to_a_token_budget(prepared, tmp_path):
-    # 2 windows x 64 tokens a step: a budget of 3 steps and a half buys 3 steps, under schedule.max_steps
+def test_cipher_train_trains_from_shards_to_a_token_budget_and_checkpoints_each_epoch_end(small, tmp_path):
+    from cipher_nb.persist.files import read_meta
+
+    train = json.loads((small / "manifest.json").read_text())["tokens"]["train"]
+    end = -(-train // 128)  # 2 windows x 64 tokens a step: the first step whose tokens reach one pass
+    steps = end + 1  # a budget of a step and a half more buys one step more, under schedule.max_steps
+    run = tmp_path / "run"
     r = in_process(
         *TINY,
         "data.source=shards",
-        f"data.path={prepared}",
-        "training.target_tokens=448",
+        f"data.path={small}",
+        f"training.target_tokens={steps * 128 + 64}",
         "schedule.max_steps=100",
         "schedule.warmup_steps=1",
         "training.log_every=1",
         "training.eval_batches=1",
         "--out",
-        tmp_path / "run",
+        run,
         "--quiet",
     )
     assert r.code == 0, r.err[-2000:]
-    logged = [row for row in rows(tmp_path / "run") if "loss" in row]
-    assert [row["step"] for row in logged] == [1, 2, 3]
-    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
-    assert logged[-1]["data/epochs"] == pytest.approx(3 * 128 / train)  # passes over the prepared tokens
+    logged = [row for row in rows(run) if "loss" in row]
+    assert [row["step"] for row in logged] == list(range(1, steps + 1))
+    assert logged[-1]["data/epochs"] == pytest.approx(steps * 128 / train)  # passes over the prepared tokens
+    assert json.loads((run / "record.json").read_text())["data"]["epochs"] == logged[-1]["data/epochs"]
+    tags = {p.name: read_meta(p).get("tag") for p in (run / "checkpoints").glob("step_*")}
+    assert tags == {f"step_{end:07d}": "epoch", f"step_{steps:07d}": "final"}, tags
 
 
 def truncate(d):
