@@ -67,6 +67,7 @@ def test_cipher_train_trains_from_shards_to_a_token_budget_and_checkpoints_each_
         *TINY,
         "data.source=shards",
         f"data.path={small}",
+        "data.max_bytes=1",  # as prepared
         f"training.target_tokens={steps * 128 + 64}",
         "schedule.max_steps=100",
         "schedule.warmup_steps=1",
@@ -103,6 +104,15 @@ def other_codec(d):
     (d / "manifest.json").write_text(json.dumps(m))
 
 
+def other_preset(d):
+    "The manifest of a preset whose one source is named 'web' (its shards' hashes still match)."
+    m = json.loads((d / "manifest.json").read_text())
+    for r in m["shards"]:
+        r["source"] = "web"
+    m["data"]["sources"] = {"web": m["data"]["sources"]["main"]}
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
 def empty(d):
     shutil.rmtree(d)
     d.mkdir()
@@ -113,6 +123,7 @@ BAD = [  # (what, how the prepared copy is damaged, the fragment of the one line
     ("an altered shard", alter, "differs from its manifest's SHA-256"),
     ("another codec's manifest", other_codec, "prepared with the codec"),
     ("an empty prepared directory", empty, "holds no prepared shards"),
+    ("another preset's sources", other_preset, "prepared from another preset's sources (web)"),
 ]
 
 
@@ -123,6 +134,13 @@ def test_bad_shards_are_refused_before_step_0(prepared, tmp_path, what, damage, 
     damage(d)
     r = in_process(*TINY, "data.source=shards", f"data.path={d}", "--out", tmp_path / "run", "--quiet")
     assert r.code == 2 and says in r.last, (r.code, r.err[-2000:])
+    nothing_written(tmp_path)
+
+
+def test_cipher_train_refuses_a_budget_under_one_global_batch(prepared, tmp_path):
+    args = ("data.source=shards", f"data.path={prepared}", "training.target_tokens=100")  # one batch: 2 x 64 tokens
+    r = in_process(*TINY, *args, "--out", tmp_path / "run", "--quiet")
+    assert r.code == 2 and "is less than one global batch (128 tokens" in r.last, (r.code, r.err[-2000:])
     nothing_written(tmp_path)
 
 

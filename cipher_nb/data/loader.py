@@ -19,7 +19,14 @@ from fastcore.basics import patch
 from ..config.load import ConfigError, DataConfig, TrainConfig
 from ..core import dist_env
 from .codecs import ByteCodec, build_codec
-from .shards import ReplayPlan, ShardStream, plan_window, verify_shards
+from cipher_nb.data.shards import (
+    ReplayPlan,
+    ShardStream,
+    check_prepared_for,
+    plan_window,
+    read_manifest,
+    verify_shards,
+)
 from cipher_nb.data.sources import (
     PIECE_BYTES,
     DataError,
@@ -164,6 +171,7 @@ def verify_prepared(data: DataConfig):
     "Check each prepared source of `data` against its manifest and the run's codec: a `DataError` on a difference."
     for spec in split_sources(data, "train")[0].values():
         if spec.source == "shards":
+            check_prepared_for(read_manifest(spec.path), spec.path, spec.name, data.max_bytes)  # before any hashing
             verify_shards(spec.path, data_manifest(data)["codec"])
 
 # %% ../../nbs/02b_data_loader.ipynb #8525b6ad

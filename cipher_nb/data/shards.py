@@ -6,7 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_shards.html.md"""
 
 # %% auto #0
 __all__ = ['MANIFEST', 'FORMAT', 'shard_dtype', 'document_ids', 'encode_shard', 'read_manifest', 'shard_file', 'shard_sizes',
-           'file_sha256', 'open_shard', 'check_shard', 'verify_shards', 'ShardStream', 'ReplayPlan', 'plan_window']
+           'file_sha256', 'open_shard', 'check_shard', 'verify_shards', 'check_prepared_for', 'ShardStream',
+           'ReplayPlan', 'plan_window']
 
 # %% ../../nbs/02ab_data_shards.ipynb #0ed1c47a
 import functools
@@ -126,6 +127,23 @@ def verify_shards(path, codec: dict) -> dict:
             raise DataError(f"{why}: prepare again (cipher-data prepare keeps the shards that match)")
     return m
 
+# %% ../../nbs/02ab_data_shards.ipynb #54bec5c7
+def check_prepared_for(m: dict, path, name: str, max_bytes: int):
+    "A `DataError` when manifest `m` has no training shard of the run's source `name`, or another `max_bytes`."
+    have = sorted({r["source"] for r in m["shards"] if r["split"] == "train"})
+    how = "prepare it from this run's preset: cipher-data prepare PRESET --out DIR"
+    if name not in have:
+        raise DataError(
+            f"data.path = '{path}' was prepared from another preset's sources ({', '.join(have)}), "
+            f"not this run's source {name!r}: {how}"
+        )
+    cut = m.get("data", {}).get("max_bytes", max_bytes)
+    if cut != max_bytes:
+        raise DataError(
+            f"data.path = '{path}' was prepared from another preset's data (documents cut at data.max_bytes = {cut}, "
+            f"this run's is {max_bytes}): {how}, or set data.max_bytes={cut}"
+        )
+
 # %% ../../nbs/02ab_data_shards.ipynb #649f7bdd
 class ShardStream:
     "Reader `g` of `n` over one split of a prepared directory: each document's ids (BOS ... EOS), resumable."
@@ -188,7 +206,7 @@ class ReplayPlan:
 
     def __init__(self, path, seed: int, name: str = "main"):
         m = read_manifest(path)
-        recs = [r for r in m["shards"] if r["split"] == "train"]
+        recs = [r for r in m["shards"] if r["split"] == "train" and r["source"] == name]  # found by name
         self.seed, self.name, self.maps = seed, name, [open_shard(path, r, m["dtype"]) for r in recs]
         self.shard_of = np.repeat(np.arange(len(recs)), [r["docs"] for r in recs])  # [docs]
         self.first = np.concatenate([np.asarray(s[:-1], np.int64) for _, s in self.maps])  # [docs] start in its shard
