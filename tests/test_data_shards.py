@@ -162,6 +162,24 @@ def test_cipher_config_plans_in_epochs_of_the_prepared_tokens_and_refuses_a_budg
     assert r.returncode == 2 and "less than one global batch (1,024 tokens = 8 rank(s)" in r.stderr, r.stderr
 
 
+def test_a_refinement_is_planned_as_one_pass_over_the_prepared_tokens(prepared):
+    from conftest import ROOT, run_in_process
+
+    from cipher_nb.config.sizing import cipher_config
+
+    preset = ROOT / "examples/configs/example-cpu-refinement.yaml"
+    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
+    shards = ["data.source=shards", f"data.path={prepared}", "schedule.max_steps=100000", "training.epochs=1"]
+    r = run_in_process(cipher_config, preset, *TINY, *shards, "--gpus", "2", pos=["path"])
+    steps = train // (2 * 2 * 64)  # one pass at 2 ranks x 2 windows x 64 tokens a step
+    assert r.returncode == 0 and f"# plan at 2 rank(s): {steps:,} steps (training.epochs = 1) x 256" in r.stdout, (
+        r.stdout
+    )
+    assert f", {steps * 256 / train:.2f} epochs of {train:,}" in r.stdout
+    r = run_in_process(cipher_config, preset, *TINY, "training.epochs=1", pos=["path"])  # on the fly: no count
+    assert r.returncode == 2 and "training.epochs counts passes over prepared shards" in r.stderr, r.stderr
+
+
 def test_a_loader_over_shards_resumes_exactly(prepared):
     "k batches, the loader's state, a new loader from it: the next batches are those of an uninterrupted loader."
     cfg = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}"])

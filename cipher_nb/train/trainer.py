@@ -290,10 +290,11 @@ class Trainer:
         self.clip_groups = clip_groups(self.raw_model, cfg.optim.clip_groups)  # by parameter role
         self.bp_params = params_with_role(self.raw_model, "boundary")
         # the plan: how many steps the run takes, and its warmup (schedule.time_budget re-plans both)
-        self.schedule = schedule or Schedule(cfg.schedule, clock, token_budget_steps(cfg.training, self.env.world_size))
+        self.data_tokens = prepared_tokens(cfg.data)  # a prepared directory's training tokens (0: not known)
+        bought = token_budget_steps(cfg.training, self.env.world_size, self.data_tokens)
+        self.schedule = schedule or Schedule(cfg.schedule, clock, bought)
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
-        self.data_tokens = prepared_tokens(cfg.data)  # a prepared directory's training tokens (0: not known)
         self.nonfinite_run = 0  # non-finite steps in a row
         self.bp_mode = None  # the boundary predictor's mode for this step (None: the model's default)
         self.last_out = None  # the model output of the last micro-batch (the monitor reads its stats)
