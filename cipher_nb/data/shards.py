@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 
-from .sources import PIECE_BYTES, DataError, iter_pieces, seed_of
+from .sources import PIECE_BYTES, DataError, ListStream, SourceSpec, iter_pieces, seed_of
 
 # %% ../../nbs/02ab_data_shards.ipynb #ae7ae1b1
 MANIFEST = "manifest.json"
@@ -151,6 +151,7 @@ class ShardStream:
     def __init__(self, path, split: str, g: int, n: int, seed: int, epochs=None, name: str = "main"):
         m = read_manifest(path)
         self.split, self.g, self.n, self.seed, self.epochs, self.name = split, g, n, seed, epochs, name
+        self.spec = SourceSpec(name, "shards", str(path))
         recs = [r for r in m["shards"] if r["split"] == split]
         self.maps = [open_shard(path, r, m["dtype"]) for r in recs]
         counts = [r["docs"] for r in recs]
@@ -178,27 +179,15 @@ class ShardStream:
         j = self.local[k]
         return ids[int(starts[j]) : int(starts[j + 1])]
 
+    def _doc(self, k: int) -> tuple:
+        d = self.doc(k)
+        return d, len(d)  # never 0: a prepared document holds BOS and EOS
+
+    def why_empty(self) -> str:
+        return ""  # prepared documents are never empty: a reader without any has too few of them
+
 # %% ../../nbs/02ab_data_shards.ipynb #90519466
-@patch
-def next_doc(self: ShardStream):
-    "The next document's ids, or None when a finite split (held-out, or `epochs` passes) is used up."
-    while True:
-        if self._order is None:
-            self._order = self._epoch_order()
-        if self.st["i"] >= len(self._order):
-            if self.split == "heldout" or (self.epochs is not None and self.st["epoch"] + 1 >= self.epochs):
-                return None
-            if not len(self._order):
-                raise DataError(
-                    f"prepared shards: reader {self.g} of {self.n} gets no training document "
-                    f"({len(self.pool)} in all): use fewer ranks x data.num_workers, or more data"
-                )
-            self.st.update(epoch=self.st["epoch"] + 1, i=0, seen=0)
-            self._order = None
-            continue
-        self.st["i"] += 1
-        self.st["seen"] += 1
-        return self.doc(int(self._order[self.st["i"] - 1]))
+ShardStream.next_doc = ListStream.next_doc  # the on-the-fly sources' epoch loop: one copy of it
 
 # %% ../../nbs/02ab_data_shards.ipynb #598d003b
 class ReplayPlan:
