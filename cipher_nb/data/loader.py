@@ -543,7 +543,13 @@ class Loader:
 
     def load_state_dict(self, sd: dict):
         "Continue from a `state_dict` of a loader with the same batch layout (a replay plan: the same global batch)."
-        if self.planned and sd["layout"].get("plan"):
+        if self.planned != bool(sd["layout"].get("plan")):
+            how = "through a replay plan" if sd["layout"].get("plan") else "by the packer"
+            raise ValueError(
+                f"the data loader state was saved {how}, and this run reads its data the other way: "
+                "resume with the data section that saved it (data.source, data.sources, data.phases)"
+            )
+        if self.planned:
             return self._load_planned(sd)
         diff = {key: (v, self._layout()[key]) for key, v in sd["layout"].items() if self._layout().get(key) != v}
         if diff:
