@@ -132,6 +132,11 @@ def check_prepared_for(m: dict, path, name: str, max_bytes: int):
     "A `DataError` when manifest `m` has no training shard of the run's source `name`, or another `max_bytes`."
     have = sorted({r["source"] for r in m["shards"] if r["split"] == "train"})
     how = "prepare it from this run's preset: cipher-data prepare PRESET --out DIR"
+    if name == "main" and len(have) > 1:  # a curriculum's directory read as one source
+        raise DataError(
+            f"data.path = '{path}' holds the named sources {', '.join(have)}: read each by name "
+            "(data.sources.NAME: {source: shards, path: DIR}), or prepare it from this run's preset"
+        )
     if name not in have:
         raise DataError(
             f"data.path = '{path}' was prepared from another preset's sources ({', '.join(have)}), "
@@ -152,7 +157,7 @@ class ShardStream:
         m = read_manifest(path)
         self.split, self.g, self.n, self.seed, self.epochs, self.name = split, g, n, seed, epochs, name
         self.spec = SourceSpec(name, "shards", str(path))
-        recs = [r for r in m["shards"] if r["split"] == split]
+        recs = [r for r in m["shards"] if r["split"] == split and (split != "train" or r["source"] == name)]  # by name
         self.maps = [open_shard(path, r, m["dtype"]) for r in recs]
         counts = [r["docs"] for r in recs]
         self.shard_of = np.repeat(np.arange(len(recs)), counts)  # [docs]: the shard of each document
