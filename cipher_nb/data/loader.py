@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_loader.html.md"""
 
 # %% auto #0
 __all__ = ['WORKER_BLOCK', 'shuffle_buffer', 'ShuffledStream', 'shuffled', 'open_source', 'verify_prepared', 'Packer', 'planned',
-           'PlanReader', 'Loader', 'reader_batches', 'mixture_loader', 'documents_in']
+           'plan_state', 'PlanReader', 'Loader', 'reader_batches', 'mixture_loader', 'documents_in']
 
 # %% ../../nbs/02b_data_loader.ipynb #c959ff52
 import functools
@@ -383,6 +383,11 @@ def planned(data: DataConfig, split: str, epochs=None) -> bool:
     return split == "train" and epochs is None and not data.phases and one
 
 
+def plan_state(batches: int) -> dict:
+    "A `PlanReader`'s state after `batches` batches, with the keys `Loader.stats` reads (nothing to count)."
+    return dict(batches=batches, counts={}, sources={}, truncated=0)
+
+
 class PlanReader:
     "One loader worker's micro-batches of one rank, read from the replay plan; `state()` / `restore()` as a `Packer`'s."
 
@@ -417,7 +422,7 @@ class PlanReader:
         return self.micro_batch((i // G * self.n_workers + self.worker) * G + i % G)
 
     def state(self) -> dict:
-        return dict(self.st, counts={}, sources={}, truncated=0)  # the keys `Loader.stats` reads
+        return plan_state(self.st["batches"])
 
     def restore(self, st: dict):
         self.st = dict(batches=int(st["batches"]))
@@ -596,7 +601,7 @@ def _load_planned(self: Loader, sd: dict):
     if micro and (saved["world_size"], saved["grad_accum"]) != (now["world_size"], now["grad_accum"]):
         raise ValueError(f"the data loader state was saved inside optimizer step {step}: resume it on the same layout")
     self.k = step * now["grad_accum"] + micro
-    self.states = [dict(batches=reader_batches(self.k, w, self.block, self.n_workers)) for w in range(self.n_workers)]
+    self.states = [plan_state(reader_batches(self.k, w, self.block, self.n_workers)) for w in range(self.n_workers)]
 
 # %% ../../nbs/02b_data_loader.ipynb #3b515f96
 def mixture_loader(
