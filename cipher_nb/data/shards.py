@@ -200,14 +200,14 @@ class ReplayPlan:
 
     def __init__(self, path, seed: int, name: str = "main"):
         m = read_manifest(path)
-        recs = [r for r in m["shards"] if r["split"] == "train" and r["source"] == name]  # found by name
+        recs = [r for r in m["shards"] if r["split"] == "train" and r["source"] == name and r["tokens"]]  # by name
+        if not recs:
+            raise DataError(f"data.path = '{path}' holds no training token of the source {name!r}: prepare it again")
         self.seed, self.name, self.maps = seed, name, [open_shard(path, r, m["dtype"]) for r in recs]
         self.shard_of = np.repeat(np.arange(len(recs)), [r["docs"] for r in recs])  # [docs]
         self.first = np.concatenate([np.asarray(s[:-1], np.int64) for _, s in self.maps])  # [docs] start in its shard
         self.lengths = np.concatenate([np.diff(np.asarray(s, np.int64)) for _, s in self.maps])  # [docs]
         self.epoch_tokens = int(self.lengths.sum())
-        if not self.epoch_tokens:
-            raise DataError(f"data.path = '{path}': its training shards hold no token: prepare it again")
         self._orders = {}  # epoch -> (order, cumulative tokens): the current and the next epoch
 
     def order(self, epoch: int) -> tuple:
