@@ -14,8 +14,8 @@ already decoded to `str`, as `datasets` would hand them over. A preset's consump
 times bytes per token: 1 for the byte-level FlexiTokens preset, `--bytes-per-token` (default 4.5, typical of a 32k
 BPE on English web text; the tokenizer row also measures it here, on code) for the token-level H100 preset.
 With `--tokenizer`, the corpus is also prepared once into pre-tokenized shards (`cipher-data prepare`, timed apart)
-and read back by the loader (`data.source: shards`), beside the outside baseline: nanoGPT's `get_batch`, random
-windows sliced from an `np.memmap` of one shard (no document boundaries, no resume state).
+and read back by the loader (`data.source: shards`, through its replay plan), beside the outside baseline: nanoGPT's
+`get_batch`, random windows sliced from an `np.memmap` of one shard (no document boundaries, no resume state).
 """
 
 import argparse
@@ -36,6 +36,7 @@ from cipher_nb.persist.shards import prepare_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 H100_BF16 = 989e12  # dense bf16 FLOP/s of an H100 SXM
+MFU = 0.4  # the issue's target is stated at 40% MFU: a real run's need
 
 
 def script_loop(texts, seq_len, max_bytes, bos=257, eos=258, pad=256):
@@ -209,10 +210,13 @@ def main():
     for k, v in need.items():
         print(f"{k} at 100% MFU on one H100 consumes {v / 1e6:.2f} MB/s")
     script = rows[0][1]
-    print("\n| contender | MB/s | x script loop | x H100 preset | x FlexiTokens preset |\n|---|---:|---:|---:|---:|")
+    print(
+        "\n| contender | MB/s | x script loop | x H100 preset | x H100 preset at 40% MFU | x FlexiTokens preset |"
+        "\n|---|---:|---:|---:|---:|---:|"
+    )
     for name, r in rows:
         x_h100, x_flexi = r / need["H100 preset (tokens)"], r / need["FlexiTokens preset (bytes)"]
-        print(f"| {name} | {r / 1e6:.1f} | {r / script:.1f} | {x_h100:.1f} | {x_flexi:.1f} |")
+        print(f"| {name} | {r / 1e6:.1f} | {r / script:.1f} | {x_h100:.1f} | {x_h100 / MFU:.1f} | {x_flexi:.1f} |")
 
 
 if __name__ == "__main__":

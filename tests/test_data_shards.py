@@ -31,6 +31,15 @@ def prepared(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    "256 documents of one byte each (BOS, byte, EOS): an epoch in a few steps."
+    out = tmp_path_factory.mktemp("small") / "latin"
+    data = load_config(None, [*MOCK, "data.path=latin", "data.max_bytes=1"]).data
+    prepare_shards(data, out, procs=1, progress=False)
+    return out
+
+
 def test_heldout_bpb_is_the_same_from_shards_and_on_the_fly(prepared):
     fly = load_config(None, [*TINY, *MOCK])
     shards = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}"])
@@ -47,26 +56,34 @@ def test_heldout_bpb_is_the_same_from_shards_and_on_the_fly(prepared):
     assert metrics[0]["val/bpb"] == metrics[1]["val/bpb"], metrics
 
 
-def test_cipher_train_trains_from_shards_to_a_token_budget(prepared, tmp_path):
-    # 2 windows x 64 tokens a step: a budget of 3 steps and a half buys 3 steps, under schedule.max_steps
+def test_cipher_train_trains_from_shards_to_a_token_budget_and_checkpoints_each_epoch_end(small, tmp_path):
+    from cipher_nb.persist.files import read_meta
+
+    train = json.loads((small / "manifest.json").read_text())["tokens"]["train"]
+    end = -(-train // 128)  # 2 windows x 64 tokens a step: the first step whose tokens reach one pass
+    steps = end + 1  # a budget of a step and a half more buys one step more, under schedule.max_steps
+    run = tmp_path / "run"
     r = in_process(
         *TINY,
         "data.source=shards",
-        f"data.path={prepared}",
-        "training.target_tokens=448",
+        f"data.path={small}",
+        "data.max_bytes=1",  # as prepared
+        f"training.target_tokens={steps * 128 + 64}",
         "schedule.max_steps=100",
         "schedule.warmup_steps=1",
         "training.log_every=1",
         "training.eval_batches=1",
         "--out",
-        tmp_path / "run",
+        run,
         "--quiet",
     )
     assert r.code == 0, r.err[-2000:]
-    logged = [row for row in rows(tmp_path / "run") if "loss" in row]
-    assert [row["step"] for row in logged] == [1, 2, 3]
-    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
-    assert logged[-1]["data/epochs"] == pytest.approx(3 * 128 / train)  # passes over the prepared tokens
+    logged = [row for row in rows(run) if "loss" in row]
+    assert [row["step"] for row in logged] == list(range(1, steps + 1))
+    assert logged[-1]["data/epochs"] == pytest.approx(steps * 128 / train)  # passes over the prepared tokens
+    assert json.loads((run / "record.json").read_text())["data"]["epochs"] == logged[-1]["data/epochs"]
+    tags = {p.name: read_meta(p).get("tag") for p in (run / "checkpoints").glob("step_*")}
+    assert tags == {f"step_{end:07d}": "epoch", f"step_{steps:07d}": "final"}, tags
 
 
 def truncate(d):
@@ -87,6 +104,15 @@ def other_codec(d):
     (d / "manifest.json").write_text(json.dumps(m))
 
 
+def other_preset(d):
+    "The manifest of a preset whose one source is named 'web' (its shards' hashes still match)."
+    m = json.loads((d / "manifest.json").read_text())
+    for r in m["shards"]:
+        r["source"] = "web"
+    m["data"]["sources"] = {"web": m["data"]["sources"]["main"]}
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
 def empty(d):
     shutil.rmtree(d)
     d.mkdir()
@@ -97,6 +123,7 @@ BAD = [  # (what, how the prepared copy is damaged, the fragment of the one line
     ("an altered shard", alter, "differs from its manifest's SHA-256"),
     ("another codec's manifest", other_codec, "prepared with the codec"),
     ("an empty prepared directory", empty, "holds no prepared shards"),
+    ("another preset's sources", other_preset, "prepared from another preset's sources (web)"),
 ]
 
 
@@ -107,6 +134,13 @@ def test_bad_shards_are_refused_before_step_0(prepared, tmp_path, what, damage, 
     damage(d)
     r = in_process(*TINY, "data.source=shards", f"data.path={d}", "--out", tmp_path / "run", "--quiet")
     assert r.code == 2 and says in r.last, (r.code, r.err[-2000:])
+    nothing_written(tmp_path)
+
+
+def test_cipher_train_refuses_a_budget_under_one_global_batch(prepared, tmp_path):
+    args = ("data.source=shards", f"data.path={prepared}", "training.target_tokens=100")  # one batch: 2 x 64 tokens
+    r = in_process(*TINY, *args, "--out", tmp_path / "run", "--quiet")
+    assert r.code == 2 and "is less than one global batch (128 tokens" in r.last, (r.code, r.err[-2000:])
     nothing_written(tmp_path)
 
 
@@ -128,6 +162,24 @@ def test_cipher_config_plans_in_epochs_of_the_prepared_tokens_and_refuses_a_budg
     assert r.returncode == 2 and "less than one global batch (1,024 tokens = 8 rank(s)" in r.stderr, r.stderr
 
 
+def test_a_refinement_is_planned_as_one_pass_over_the_prepared_tokens(prepared):
+    from conftest import ROOT, run_in_process
+
+    from cipher_nb.config.sizing import cipher_config
+
+    preset = ROOT / "examples/configs/example-cpu-refinement.yaml"
+    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
+    shards = ["data.source=shards", f"data.path={prepared}", "schedule.max_steps=100000", "training.epochs=1"]
+    r = run_in_process(cipher_config, preset, *TINY, *shards, "--gpus", "2", pos=["path"])
+    steps = train // (2 * 2 * 64)  # one pass at 2 ranks x 2 windows x 64 tokens a step
+    assert r.returncode == 0 and f"# plan at 2 rank(s): {steps:,} steps (training.epochs = 1) x 256" in r.stdout, (
+        r.stdout
+    )
+    assert f", {steps * 256 / train:.2f} epochs of {train:,}" in r.stdout
+    r = run_in_process(cipher_config, preset, *TINY, "training.epochs=1", pos=["path"])  # on the fly: no count
+    assert r.returncode == 2 and "training.epochs counts passes over prepared shards" in r.stderr, r.stderr
+
+
 def test_a_loader_over_shards_resumes_exactly(prepared):
     "k batches, the loader's state, a new loader from it: the next batches are those of an uninterrupted loader."
     cfg = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}"])
@@ -143,3 +195,30 @@ def test_a_loader_over_shards_resumes_exactly(prepared):
     resumed = loader()
     resumed.load_state_dict(first.state_dict())
     assert [b["input_ids"].tolist() for b in itertools.islice(resumed, 7)] == straight[5:]
+
+
+def global_batches(prepared, world, batch, accum, steps, state=None):
+    "Each step's global batch (every rank's micro-batches end to end) of `world` loaders, and rank 0's state after."
+    over = [f"training.batch_size={batch}", f"training.grad_accum={accum}", "data.doc_mask=true"]
+    cfg = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}", *over])
+    loaders = [mixture_loader(cfg.data, cfg.training, cfg.model.vocab, "train", r, world) for r in range(world)]
+    for ld in loaders:
+        if state is not None:
+            ld.load_state_dict(json.loads(json.dumps(state)))
+    its = [iter(ld) for ld in loaders]
+    out = []
+    for _ in range(steps):
+        micro = [next(it) for it in its for _ in range(accum)]  # rank by rank, micro-step by micro-step
+        out.append({k: torch.cat([b[k] for b in micro]).tolist() for k in ("input_ids", "doc_ids")})
+    return out, loaders[0].state_dict()
+
+
+def test_the_replay_plan_continues_on_another_number_of_ranks(prepared):
+    "A 2-rank run resumed on 4 ranks (and on 2) reads the global batches of an uninterrupted one; another is refused."
+    straight, _ = global_batches(prepared, 2, 2, 2, 6)  # 8 windows a step
+    head, state = global_batches(prepared, 2, 2, 2, 3)
+    assert head == straight[:3]
+    assert global_batches(prepared, 4, 2, 1, 3, state)[0] == straight[3:]  # 4 ranks x 2 windows
+    assert global_batches(prepared, 2, 2, 2, 3, state)[0] == straight[3:]  # exact resume on the same layout
+    with pytest.raises(ValueError, match="global batch of windows .* of 8, this run's is 4"):
+        global_batches(prepared, 4, 1, 1, 1, state)

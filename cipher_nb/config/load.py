@@ -7,9 +7,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/config_load.html.md"""
 # %% auto #0
 __all__ = ['LEGACY_KEYS', 'ROLES', 'ROLE_KEYED', 'ROLE_ALIASES', 'STAGE_DEFAULTS', 'MOE_MAX_LR', 'ConfigError', 'upgrade_roles',
            'upgrade_keys', 'build_section', 'config_from_dict', 'model_config', 'parse_duration', 'model_rules',
-           'schedule_rules', 'global_batch_tokens', 'token_budget_steps', 'data_rules', 'sft_rules', 'validate',
-           'runbook_warnings', 'apply_overrides', 'DuplicateKeyError', 'UniqueKeyLoader', 'read_preset', 'load_config',
-           'save_config', 'critical_dict', 'config_hash', 'critical_diff']
+           'schedule_rules', 'global_batch_tokens', 'token_budget_steps', 'budget_rules', 'data_rules', 'sft_rules',
+           'validate', 'runbook_warnings', 'apply_overrides', 'DuplicateKeyError', 'UniqueKeyLoader', 'read_preset',
+           'load_config', 'save_config', 'critical_dict', 'config_hash', 'critical_diff']
 
 # %% ../../nbs/01_config_load.ipynb #4220b6fb
 import copy
@@ -374,17 +374,39 @@ def global_batch_tokens(t: TrainConfig, world_size: int = 1) -> int:
     return world_size * t.batch_size * t.grad_accum * t.seq_len
 
 
-def token_budget_steps(t: TrainConfig, world_size: int = 1) -> int:
-    "The optimizer steps `training.target_tokens` buys at `world_size` ranks (0 = no token budget)."
-    if not t.target_tokens:
+def token_budget_steps(t: TrainConfig, world_size: int = 1, data_tokens: int = 0) -> int:
+    "The optimizer steps the token budget buys at `world_size` ranks (0 = none); `data_tokens`: a pass, for `epochs`."
+    target = t.target_tokens or int(t.epochs * data_tokens)
+    if not target:
         return 0
     per_step = global_batch_tokens(t, world_size)
-    if t.target_tokens < per_step:
+    if target < per_step:
+        what = (
+            f"training.target_tokens ({target:,})"
+            if t.target_tokens
+            else f"training.epochs ({t.epochs:g} x {data_tokens:,} tokens prepared)"
+        )
         raise ConfigError(
-            f"training.target_tokens ({t.target_tokens:,}) is less than one global batch ({per_step:,} tokens = "
+            f"{what} is less than one global batch ({per_step:,} tokens = "
             f"{world_size} rank(s) x {t.batch_size} x {t.grad_accum} x {t.seq_len}): raise it or shrink the batch"
         )
-    return t.target_tokens // per_step
+    return target // per_step
+
+
+def budget_rules(t: TrainConfig, d: DataConfig) -> list:
+    "(holds, message) for each rule of the token budget: one of its two keys, `epochs` over prepared shards only."
+    shards = d.source == "shards" or any(s.get("source") == "shards" for s in d.sources.values() if isinstance(s, dict))
+    return [
+        (0 <= t.epochs < math.inf, f"training.epochs ({t.epochs}) must be >= 0 and finite"),
+        (
+            not (t.epochs and t.target_tokens),
+            "training.epochs and training.target_tokens are both set: give one budget",
+        ),
+        (
+            not t.epochs or shards,
+            "training.epochs counts passes over prepared shards: set data.source=shards and data.path",
+        ),
+    ]
 
 # %% ../../nbs/01_config_load.ipynb #7dd39671
 def data_rules(d: DataConfig) -> list:
@@ -425,6 +447,7 @@ def validate(cfg: Config) -> Config:
     _check_collections(cfg.optim, cfg.model, cfg.sft)
     token_budget_steps(cfg.training)  # at world size 1; the builder checks again at the run's world size
     rules = [*model_rules(cfg.model), *schedule_rules(cfg.schedule), *data_rules(cfg.data), *sft_rules(cfg.sft)]
+    rules += budget_rules(cfg.training, cfg.data)
     corr = cfg.monitor.max_token_corr
     rules.append((0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"))
     wd = cfg.optim.memory_weight_decay

@@ -220,6 +220,7 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum: int = 1
     target_tokens: int = 0  # tokens to train on: steps = this // tokens per global batch (0 = schedule.max_steps)
+    epochs: float = 0.0  # or passes over the prepared shards' training tokens (their manifest's count); 0 = off
     precision: Precision = "auto"
     fp8_recipe: FP8Recipe = "rowwise"  # torchao float8 scaling for fp8
     seed: int = 0

@@ -186,9 +186,10 @@ def prepared_tokens(data: DataConfig) -> int:
 
 def plan_line(t: TrainConfig, s: ScheduleConfig, world_size: int = 1, data_tokens: int = 0) -> str:
     "`cipher-config`'s plan: steps, tokens and (given the data's size) epochs at `world_size` ranks."
-    per_step, bought = global_batch_tokens(t, world_size), token_budget_steps(t, world_size)
+    per_step, bought = global_batch_tokens(t, world_size), token_budget_steps(t, world_size, data_tokens)
     steps = min(s.max_steps, bought) if bought else s.max_steps
-    why = "schedule.max_steps" if steps == s.max_steps else f"training.target_tokens = {t.target_tokens:,}"
+    budget = f"training.target_tokens = {t.target_tokens:,}" if t.target_tokens else f"training.epochs = {t.epochs:g}"
+    why = "schedule.max_steps" if steps == s.max_steps else budget
     line = (
         f"# plan at {world_size} rank(s): {steps:,} steps ({why}) x {per_step:,} tokens = {steps * per_step:,} tokens"
     )

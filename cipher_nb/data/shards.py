@@ -6,7 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_shards.html.md"""
 
 # %% auto #0
 __all__ = ['MANIFEST', 'FORMAT', 'shard_dtype', 'document_ids', 'encode_shard', 'read_manifest', 'shard_file', 'shard_sizes',
-           'file_sha256', 'open_shard', 'check_shard', 'verify_shards', 'ShardStream']
+           'file_sha256', 'open_shard', 'check_shard', 'verify_shards', 'check_prepared_for', 'ShardStream',
+           'ReplayPlan', 'plan_window']
 
 # %% ../../nbs/02ab_data_shards.ipynb #0ed1c47a
 import functools
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 
-from .sources import PIECE_BYTES, DataError, iter_pieces, seed_of
+from .sources import PIECE_BYTES, DataError, ListStream, SourceSpec, iter_pieces, seed_of
 
 # %% ../../nbs/02ab_data_shards.ipynb #ae7ae1b1
 MANIFEST = "manifest.json"
@@ -126,6 +127,28 @@ def verify_shards(path, codec: dict) -> dict:
             raise DataError(f"{why}: prepare again (cipher-data prepare keeps the shards that match)")
     return m
 
+# %% ../../nbs/02ab_data_shards.ipynb #54bec5c7
+def check_prepared_for(m: dict, path, name: str, max_bytes: int):
+    "A `DataError` when manifest `m` has no training shard of the run's source `name`, or another `max_bytes`."
+    have = sorted({r["source"] for r in m["shards"] if r["split"] == "train"})
+    how = "prepare it from this run's preset: cipher-data prepare PRESET --out DIR"
+    if name == "main" and len(have) > 1:  # a curriculum's directory read as one source
+        raise DataError(
+            f"data.path = '{path}' holds the named sources {', '.join(have)}: read each by name "
+            "(data.sources.NAME: {source: shards, path: DIR}), or prepare it from this run's preset"
+        )
+    if name not in have:
+        raise DataError(
+            f"data.path = '{path}' was prepared from another preset's sources ({', '.join(have)}), "
+            f"not this run's source {name!r}: {how}"
+        )
+    cut = m.get("data", {}).get("max_bytes", max_bytes)
+    if cut != max_bytes:
+        raise DataError(
+            f"data.path = '{path}' was prepared from another preset's data (documents cut at data.max_bytes = {cut}, "
+            f"this run's is {max_bytes}): {how}, or set data.max_bytes={cut}"
+        )
+
 # %% ../../nbs/02ab_data_shards.ipynb #649f7bdd
 class ShardStream:
     "Reader `g` of `n` over one split of a prepared directory: each document's ids (BOS ... EOS), resumable."
@@ -133,7 +156,8 @@ class ShardStream:
     def __init__(self, path, split: str, g: int, n: int, seed: int, epochs=None, name: str = "main"):
         m = read_manifest(path)
         self.split, self.g, self.n, self.seed, self.epochs, self.name = split, g, n, seed, epochs, name
-        recs = [r for r in m["shards"] if r["split"] == split]
+        self.spec = SourceSpec(name, "shards", str(path))
+        recs = [r for r in m["shards"] if r["split"] == split and (split != "train" or r["source"] == name)]  # by name
         self.maps = [open_shard(path, r, m["dtype"]) for r in recs]
         counts = [r["docs"] for r in recs]
         self.shard_of = np.repeat(np.arange(len(recs)), counts)  # [docs]: the shard of each document
@@ -160,24 +184,63 @@ class ShardStream:
         j = self.local[k]
         return ids[int(starts[j]) : int(starts[j + 1])]
 
+    def _doc(self, k: int) -> tuple:
+        d = self.doc(k)
+        return d, len(d)  # never 0: a prepared document holds BOS and EOS
+
+    def why_empty(self) -> str:
+        return ""  # prepared documents are never empty: a reader without any has too few of them
+
 # %% ../../nbs/02ab_data_shards.ipynb #90519466
+ShardStream.next_doc = ListStream.next_doc  # the on-the-fly sources' epoch loop: one copy of it
+
+# %% ../../nbs/02ab_data_shards.ipynb #598d003b
+class ReplayPlan:
+    "The training split of a prepared directory as one endless stream of ids, each epoch in a fixed permutation."
+
+    def __init__(self, path, seed: int, name: str = "main"):
+        m = read_manifest(path)
+        recs = [r for r in m["shards"] if r["split"] == "train" and r["source"] == name and r["tokens"]]  # by name
+        if not recs:
+            raise DataError(f"data.path = '{path}' holds no training token of the source {name!r}: prepare it again")
+        self.seed, self.name, self.maps = seed, name, [open_shard(path, r, m["dtype"]) for r in recs]
+        self.shard_of = np.repeat(np.arange(len(recs)), [r["docs"] for r in recs])  # [docs]
+        self.first = np.concatenate([np.asarray(s[:-1], np.int64) for _, s in self.maps])  # [docs] start in its shard
+        self.lengths = np.concatenate([np.diff(np.asarray(s, np.int64)) for _, s in self.maps])  # [docs]
+        self.epoch_tokens = int(self.lengths.sum())
+        self._orders = {}  # epoch -> (order, cumulative tokens): the current and the next epoch
+
+    def order(self, epoch: int) -> tuple:
+        "(documents in epoch `epoch`'s order [docs], their cumulative token counts [docs + 1])."
+        if epoch not in self._orders:
+            perm = np.random.default_rng(seed_of(self.seed, self.name, epoch)).permutation(len(self.lengths))
+            cum = np.zeros(len(perm) + 1, np.int64)
+            np.cumsum(self.lengths[perm], out=cum[1:])
+            self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}  # the workers keep two at most
+            self._orders[epoch] = (perm, cum)
+        return self._orders[epoch]
+
+# %% ../../nbs/02ab_data_shards.ipynb #0d0b8700
 @patch
-def next_doc(self: ShardStream):
-    "The next document's ids, or None when a finite split (held-out, or `epochs` passes) is used up."
-    while True:
-        if self._order is None:
-            self._order = self._epoch_order()
-        if self.st["i"] >= len(self._order):
-            if self.split == "heldout" or (self.epochs is not None and self.st["epoch"] + 1 >= self.epochs):
-                return None
-            if not len(self._order):
-                raise DataError(
-                    f"prepared shards: reader {self.g} of {self.n} gets no training document "
-                    f"({len(self.pool)} in all): use fewer ranks x data.num_workers, or more data"
-                )
-            self.st.update(epoch=self.st["epoch"] + 1, i=0, seen=0)
-            self._order = None
-            continue
-        self.st["i"] += 1
-        self.st["seen"] += 1
-        return self.doc(int(self._order[self.st["i"] - 1]))
+def read(self: ReplayPlan, pos: int, n: int) -> tuple:
+    "(ids [n] int64, document numbers [n] int64) of the stream from position `pos`."
+    ids, docs, got = np.empty(n, np.int64), np.empty(n, np.int64), 0
+    while got < n:
+        epoch, off = divmod(pos + got, self.epoch_tokens)
+        perm, cum = self.order(epoch)
+        j = int(np.searchsorted(cum, off, side="right")) - 1  # the document holding position `off`
+        while got < n and j < len(perm):
+            k, skip = int(perm[j]), off - int(cum[j])
+            take = min(n - got, int(self.lengths[k]) - skip)
+            src, _ = self.maps[self.shard_of[k]]
+            start = int(self.first[k]) + skip
+            ids[got : got + take] = src[start : start + take]
+            docs[got : got + take] = epoch * len(perm) + j
+            got, off, j = got + take, off + take, j + 1
+    return ids, docs
+
+# %% ../../nbs/02ab_data_shards.ipynb #fcc3c89a
+def plan_window(step: int, micro: int, rank: int, world_size: int, batch_size: int, grad_accum: int) -> int:
+    "The first window that rank `rank` reads at accumulation micro-step `micro` of global step `step`."
+    per_rank = batch_size * grad_accum
+    return (step * world_size + rank) * per_rank + micro * batch_size

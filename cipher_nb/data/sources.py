@@ -309,7 +309,7 @@ class ListStream:
 # %% ../../nbs/02_data_sources.ipynb #1d145e7b
 @patch
 def next_doc(self: ListStream):
-    "The next non-empty document (bytes, a text file's `Path` or `FileSpan`), or None when a finite split is used up."
+    "The next non-empty document of the epoch orders (`_epoch_order`, `_doc`), or None when a finite split is used up."
     while True:
         if self._order is None:
             self._order = self._epoch_order()

@@ -40,7 +40,7 @@ from cipher_nb.config.load import (
     save_config,
     token_budget_steps,
 )
-from ..config.sizing import flops_per_token, param_counts
+from ..config.sizing import flops_per_token, param_counts, prepared_tokens
 from ..core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
 from ..data.codecs import build_codec
 from ..data.curriculum import Curriculum
@@ -233,7 +233,8 @@ def build_trainer(
     wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)
     optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
     # the horizon's one owner: the trainer, its curriculum and the loader's read it
-    plan = Schedule(cfg.schedule, token_steps=token_budget_steps(cfg.training, env.world_size))
+    bought = token_budget_steps(cfg.training, env.world_size, prepared_tokens(cfg.data))
+    plan = Schedule(cfg.schedule, token_steps=bought)
     loader, heldout = hooks.data(env.rank, env.world_size, plan)
     if not heldout and env.is_main:
         print(NO_HELDOUT, file=sys.stderr)

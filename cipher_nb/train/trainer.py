@@ -290,10 +290,11 @@ class Trainer:
         self.clip_groups = clip_groups(self.raw_model, cfg.optim.clip_groups)  # by parameter role
         self.bp_params = params_with_role(self.raw_model, "boundary")
         # the plan: how many steps the run takes, and its warmup (schedule.time_budget re-plans both)
-        self.schedule = schedule or Schedule(cfg.schedule, clock, token_budget_steps(cfg.training, self.env.world_size))
+        self.data_tokens = prepared_tokens(cfg.data)  # a prepared directory's training tokens (0: not known)
+        bought = token_budget_steps(cfg.training, self.env.world_size, self.data_tokens)
+        self.schedule = schedule or Schedule(cfg.schedule, clock, bought)
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
-        self.data_tokens = prepared_tokens(cfg.data)  # a prepared directory's training tokens (0: not known)
         self.nonfinite_run = 0  # non-finite steps in a row
         self.bp_mode = None  # the boundary predictor's mode for this step (None: the model's default)
         self.last_out = None  # the model output of the last micro-batch (the monitor reads its stats)
@@ -467,8 +468,10 @@ class Trainer:
         if self.curriculum is not None and len(self.curriculum.phases) > 1:
             row["curriculum/phase"] = self.curriculum.phase(self.step - 1)
         row.update(self.data_counts())
-        if self.data_tokens:  # passes over the prepared training tokens
+        if self.data_tokens:  # passes over the prepared training tokens, in the metrics and the record
             row["data/epochs"] = self.tokens / self.data_tokens
+            if self.record is not None:
+                self.record.data["epochs"] = row["data/epochs"]
         return row
 
     def data_counts(self) -> dict:
@@ -557,6 +560,10 @@ class Trainer:
         "Whether a cadence of `every` optimizer steps falls on this step (the last step always does)."
         return self.step % every == 0 or self.step == self.schedule.max_steps
 
+    def passes(self) -> int:
+        "Complete passes over the prepared training tokens so far (0 when their count is not known)."
+        return self.tokens // self.data_tokens if self.data_tokens else 0
+
     def fit(self, progress: bool = True, reraise: bool = True) -> "Trainer":
         "Train to the planned step count or a stop signal; with `reraise`, a SIGINT ends in KeyboardInterrupt."
         from tqdm.auto import tqdm
@@ -567,6 +574,7 @@ class Trainer:
         show = progress and self.is_main
         bar = tqdm(total=plan.horizon, initial=self.step, disable=not show, dynamic_ncols=True, leave=False)
         window, since, nth = [], time.perf_counter(), 0  # since: the log window's start
+        passes = self.passes()  # an epoch's end is checkpointed, as the Spider-FLEXITOKENS script does
         try:
             if t.eval_at_start and self.step == 0:  # the starting point (SFT: the source checkpoint)
                 self.log({"step": 0, "tokens": self.tokens, **self.evaluate()})
@@ -598,9 +606,10 @@ class Trainer:
                     self.stopped = True
                     self.save("emergency")
                     break
-                if self.step % t.checkpoint_every == 0 and self.step < plan.max_steps:
+                ended, passes = self.passes() > passes, self.passes()
+                if (ended or self.step % t.checkpoint_every == 0) and self.step < plan.max_steps:
                     with paused(bar):
-                        self.save("step")
+                        self.save("epoch" if ended else "step")
             bar.close()
             if not self.stopped:
                 self.save("final")
