@@ -6,9 +6,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_builder.html.md"""
 
 # %% auto #0
 __all__ = ['ALLOCATOR', 'NO_HELDOUT', 'BUDGET_MAX_STEPS', 'RUN_FILES', 'codec_description', 'RunCheckpoints', 'MoEBalancing',
-           'stage_hooks', 'init_distributed', 'configure_allocator', 'resume_source', 'check_start', 'parameter_counts',
-           'parameter_line', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore', 'resolve_run',
-           'run_summary', 'RunDirError', 'holds_run', 'never_started', 'backup_name', 'claim_run_dir']
+           'stage_hooks', 'init_distributed', 'configure_allocator', 'device_plan', 'resume_source', 'check_start',
+           'parameter_counts', 'parameter_line', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
+           'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'never_started', 'backup_name', 'claim_run_dir']
 
 # %% ../../nbs/11a_train_builder.ipynb #c0aa1c89
 import json
@@ -62,6 +62,7 @@ from ..persist.export import export_model
 from ..persist.record import heldout_size, run_record
 from ..persist.stages import StageHooks, check_init_source, check_resume
 from .early_stop import early_stopping
+from .plan import preflight_plan
 from .sft import SFTHooks
 from .tracking import logger_callbacks
 from .trainer import Schedule, Trainer
@@ -165,6 +166,17 @@ def configure_allocator(device: torch.device) -> str:
     torch.cuda.memory._set_allocator_settings(ALLOCATOR)
     return ALLOCATOR
 
+# %% ../../nbs/11a_train_builder.ipynb #2611a94f
+def device_plan(device: torch.device, run_dir: Path, world: int, training) -> dict:
+    "On CUDA, the planner's check of this run on this GPU (`preflight_plan`: a warning when it does not fit); else {}."
+    if device.type != "cuda":
+        return {}
+    props = torch.cuda.get_device_properties(device)
+    try:
+        return preflight_plan(run_dir, world, props.name, props.total_memory / 2**30, training)
+    except RuntimeError as e:  # a plan is advice: a planner that fails must not stop the run
+        return {"planned": False, "why": str(e)}
+
 # %% ../../nbs/11a_train_builder.ipynb #7a51cbd9
 def resume_source(resume: str, run_dir: Path):
     "The checkpoint `--resume` names: a path, or `auto` for the newest complete one of the run directory."
@@ -241,6 +253,8 @@ def build_trainer(
     if env.is_main:  # every check and every input has passed: the run directory is written from here on
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+    # the other ranks wait for rank 0's plan at their first collective (a kept plan: none)
+    planned = device_plan(device, run_dir, env.world_size, cfg.training) if env.is_main else {}
     codec = build_codec(cfg.data)
     codec_info = codec_description(codec, cfg.data)
     record = run_record(
@@ -254,7 +268,9 @@ def build_trainer(
     record.parameters = params
     record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
     record.data.update(heldout_size(heldout))  # the card's limits name the held-out size (or its absence)
-    record.kernels = dict(parallel_info, allocator=allocator)  # the trainer adds what ran, after the first step
+    record.kernels = dict(
+        parallel_info, allocator=allocator, **({"plan": planned} if planned else {})
+    )  # the trainer adds what ran, after the first step
     record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
     record.warnings = runbook_warnings(cfg.model, cfg.schedule, choice.mode)  # the precision that runs here
     lengths = torch.as_tensor(codec.byte_lengths)
