@@ -9,8 +9,9 @@ with the reasons. Checks: the config loads; GPUs are present (count, name, memor
 on them; the run directory and the persistent checkpoint directory (`training.persistent_dir`; the cipher-training
 runbook: never checkpoint only to local disk) have room for the checkpoints the run keeps; the persistent directory
 takes a write that reads back identical; a `--init` source exists and fits the stage contract; the data is
-reachable (one batch read through the real loader of this stage). `--skip-gpu` runs the rest on a machine without a
-GPU.
+reachable (one batch read through the real loader of this stage); the run's plan (`cipher-plan`, from fake tensors)
+fits the node's GPU at its micro-batch. `--skip-gpu` runs the rest on a machine without a GPU (the plan then needs
+`--gpu NAME`); `--skip-plan` skips the plan, whose byte-model figures are a worst case.
 """
 
 import argparse
@@ -58,6 +59,27 @@ def check_gpu(cfg, want: int):
         return False, fig + f"; need {want} (--gpus)"
     fell_back = cfg.training.precision not in ("auto", choice.mode)
     return not fell_back, fig + ("; the requested precision is not available here" if fell_back else "")
+
+
+def check_plan(cfg, gpus: int, gpu: str):
+    "The planner's peak per GPU at the run's micro-batch on `gpus` x `gpu` (the visible GPU when `gpu` is empty)."
+    import torch
+
+    from cipher_nb.train.plan import gpu_of, misfit_line, plan_run
+
+    if not gpu and not torch.cuda.is_available():
+        return None, "no GPU to plan for: name one with --gpu h100|h200|a100"
+    if not gpu:
+        props = torch.cuda.get_device_properties(0)
+        gpu = gpu_of(props.name, props.total_memory / 2**30)
+        if gpu is None:
+            return None, f"the planner does not know {props.name}: plan one it knows with --gpu h100|h200|a100"
+    p = plan_run(cfg.model, cfg.training, cfg.optim, gpus, gpu)
+    fig = (
+        f"{gpus} x {gpu}, {p.parallel}: peak {p.peak_gib:.1f} GiB of {p.limit_gib:.1f} at micro-batch "
+        f"{p.micro_batch} (largest {p.max_micro_batch})"
+    )
+    return (True, fig) if p.fits else (False, misfit_line(p, cfg.training))
 
 
 def checkpoint_gb(cfg) -> float:
@@ -175,6 +197,8 @@ def main(argv=None):
         "--gpus", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), help="GPUs this node must have"
     )
     ap.add_argument("--skip-gpu", action="store_true", help="skip the GPU check (run the others on a CPU machine)")
+    ap.add_argument("--gpu", default="", help="plan for this GPU (h100, h200, a100; default: the visible one)")
+    ap.add_argument("--skip-plan", action="store_true", help="skip the memory plan (cipher-plan)")
     ap.add_argument("--out", default=None, help="the run directory cipher-train will write (default: training.out_dir)")
     ap.add_argument("--min-disk-gb", type=float, default=0.0, help="free space to demand at least, in GB")
     ap.add_argument("--allow-local", action="store_true", help="accept an empty training.persistent_dir")
@@ -210,6 +234,10 @@ def main(argv=None):
             check("init source", lambda: check_init(cfg)),
             check("data reachable", lambda: check_data(cfg, a.data_timeout)),
         ]
+        if a.skip_plan or (a.skip_gpu and not a.gpu):
+            results.append(("plan", None, "skipped (--skip-plan, or --skip-gpu without --gpu)"))
+        else:
+            results.append(check("plan", lambda: check_plan(cfg, a.gpus, a.gpu)))
     w = max(len(n) for n, _, _ in results)
     for n, ok, fig in results:
         print(f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[ok] }  {n:<{w}}  {fig}")

@@ -77,6 +77,7 @@ def two_nodes(shared: Path, job: str, *extra, fault_on_second: str = "", max_res
         "SHARED": str(shared),
         "MAX_RESTARTS": str(max_restarts),
         "PREFLIGHT_ARGS": "--skip-gpu",
+        "SHARDS": "0",  # the documents on the fly, as the one launch it is compared with reads them
     }
     cmd = ["bash", str(ROOT / "launch/train_multinode.sh"), *SETTINGS, *extra]
     nodes = [

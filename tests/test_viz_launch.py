@@ -57,10 +57,12 @@ def test_preflight_fails_cleanly_without_gpu(tmp_path):
 
 def test_preflight_passes_non_gpu_checks_with_flag(tmp_path):
     persist = tmp_path / "persist"
-    r = preflight_in_process("--skip-gpu", f"training.persistent_dir={persist}", *TINY, "--out", str(tmp_path / "run"))
+    args = ["--skip-gpu", "--gpu", "h100", "--gpus", "8", f"training.persistent_dir={persist}", *TINY]
+    r = preflight_in_process(*args, "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stdout + r.stderr
     res = lines(r.stdout)
     assert res["gpu"][0] == "SKIP"
+    assert res["plan"][1].startswith("8 x h100, ddp: peak "), res["plan"]  # planned for the named GPU
     for name in (
         "config",
         "disk: run directory",
@@ -68,6 +70,7 @@ def test_preflight_passes_non_gpu_checks_with_flag(tmp_path):
         "persistent checkpoint directory",
         "disk: persistent directory",
         "data reachable",
+        "plan",
     ):
         assert res[name][0] == "PASS", (name, res[name])
     assert "one batch (2, 64)" in res["data reachable"][1]  # the real loader, this config's batch shape
@@ -113,6 +116,8 @@ def test_single_node_command():
     assert train[:5] == ["torchrun", "--standalone", "--nproc_per_node=8", "--no-python", "cipher-train"]
     assert "training.persistent_dir=/mnt/p" in train and "schedule.lr=2e-4" in train
     assert "data.tokenizer=/mnt/p/tokenizers/h100.json" in train  # the token-level preset's tokenizer, trained once
+    # its documents tokenized once into the persistent volume, then read as shards
+    assert "data.source=shards" in train and "data.path=/mnt/p/shards/h100" in train
     assert train[train.index("--out") + 1] == "runs/a" and train[train.index("--resume") + 1] == "auto"
     # preflight checks exactly the config the job trains
     assert pre[2 : pre.index("--gpus")] == train[5 : train.index("--out")]

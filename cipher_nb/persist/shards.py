@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_shards.html.md"""
 
 # %% auto #0
 __all__ = ['SHARD_BYTES', 'shard_tasks', 'codec_for', 'write_atomic', 'write_shard', 'finished_shard', 'write_manifest',
-           'prepare_shards', 'cipher_data']
+           'prepared_already', 'prepare_shards', 'cipher_data']
 
 # %% ../../nbs/09e_persist_shards.ipynb #ce02125c
 import functools
@@ -102,6 +102,17 @@ def write_manifest(root: Path, data: DataConfig, dm: dict, dtype, recs: list) ->
     return m
 
 # %% ../../nbs/09e_persist_shards.ipynb #e2bf1cb2
+def prepared_already(root: Path, prepared_from: str, dtype) -> dict | None:
+    "The manifest of a finished prepare of the same data whose every shard still matches its record; else None."
+    try:
+        m = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    shards = m.get("shards") or []
+    same = all(r.get("prepared_from") == prepared_from and not check_shard(root, r, dtype) for r in shards)
+    return m if shards and same else None
+
+
 def _done(value) -> Future:
     f = Future()
     f.set_result(value)
@@ -118,6 +129,8 @@ def prepare_shards(
         dtype = shard_dtype(build_codec(data).vocab_size)
         dm = data_manifest(data)
         prepared_from = f"{data_fingerprint(data)}/{shard_bytes}"
+        if done := prepared_already(root, prepared_from, dtype):
+            return done  # a node that waited for another's prepare, or a relaunch: the sources are not read again
         pool = ProcessPoolExecutor(procs, mp_context=get_context("fork")) if procs > 1 else None
         futures, pending, bar = [], set(), tqdm(desc="shards", unit="shard", disable=not progress)
         try:
