@@ -160,6 +160,26 @@ def sync(device):
 _planned = {}  # (preset config, checkpointing) -> the planner's peak in GiB
 
 
+def copy_rates(cfg, device, rounds: int = 20) -> dict:
+    "GB/s of one training batch of `cfg`'s shape (token ids and targets) copied to `device`, pinned and not."
+    B, T = cfg.training.batch_size, cfg.training.seq_len
+    batch = {k: torch.randint(0, cfg.model.vocab, (B, T)) for k in ("input_ids", "labels")}
+    size = sum(t.numel() * t.element_size() for t in batch.values())
+    rates = {}
+    for kind in ("unpinned", "pinned"):
+        if kind == "pinned" and device.type != "cuda":
+            rates[kind] = None  # pinned host memory needs an accelerator
+            continue
+        host = {k: t.pin_memory() for k, t in batch.items()} if kind == "pinned" else batch
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            {k: t.to(device, non_blocking=True) for k, t in host.items()}
+        sync(device)
+        rates[kind] = rounds * size / (time.perf_counter() - t0) / 1e9
+    return rates
+
+
 def planned_gib(cfg, ac: bool) -> float | None:
     "cipher-plan's bf16 peak on one GPU at the preset's micro-batch (fake tensors, on the CPU), beside the GPU's."
     from dataclasses import replace
@@ -356,7 +376,7 @@ def main(
     print(f"compile and activation checkpointing: {where}")
     if smoke and not cpu_compile:
         print("smoke: +compile modes run eagerly (pass --cpu-compile to compile on the CPU)")
-    presets, rows = {}, {}
+    presets, rows, copies = {}, {}, {}
     t_start = time.perf_counter()
     for path, spec in plan:
         if path not in presets:
@@ -365,6 +385,12 @@ def main(
             presets[path] = (cfg, fpt)
             print(describe(path.name, cfg, fpt, smoke, warmup, steps))
         cfg, _ = presets[path]
+        if path not in copies:  # the loader's pinned memory (data.pin_memory) against plain host memory
+            copies[path] = copy_rates(cfg, device)
+            print(
+                "  batch to device, GB/s: "
+                + ", ".join(f"{k} {v:.2f}" if v else f"{k} n/a (no GPU)" for k, v in copies[path].items())
+            )
         elapsed = time.perf_counter() - t_start
         if elapsed > time_limit:
             r = dict(spec=spec, error=f"skipped: {elapsed:.0f} s spent, over --time-limit {time_limit:.0f} s")
@@ -402,7 +428,10 @@ def main(
                     torch=torch.__version__,
                     torchao=ao,
                     peak=peak,
-                    presets={str(p): dict(flops_per_token=presets[p][1], rows=rs) for p, rs in rows.items()},
+                    presets={
+                        str(p): dict(flops_per_token=presets[p][1], rows=rs, copy_gb_s=copies[p])
+                        for p, rs in rows.items()
+                    },
                 ),
                 indent=1,
                 default=str,
