@@ -222,3 +222,46 @@ def test_the_replay_plan_continues_on_another_number_of_ranks(prepared):
     assert global_batches(prepared, 2, 2, 2, 3, state)[0] == straight[3:]  # exact resume on the same layout
     with pytest.raises(ValueError, match="global batch of windows .* of 8, this run's is 4"):
         global_batches(prepared, 4, 1, 1, 1, state)
+
+
+def test_a_run_resumed_on_fewer_ranks_continues_the_global_batches(small, tmp_path, monkeypatch):
+    "2 gloo ranks (torchrun) save at step 2; resumed on 1 rank, grad_accum 2: steps 3-4 read an unbroken run's windows."
+    from conftest import run_cli, script
+
+    from cipher_nb.data.loader import Loader
+    from cipher_nb.persist.checkpointer import RESEED_RULE
+
+    run = [*TINY, "data.source=shards", f"data.path={small}", "data.max_bytes=1", "schedule.max_steps=4"]
+    run += [
+        "schedule.warmup_steps=1",
+        "training.log_every=1",
+        "training.checkpoint_every=2",
+        "training.eval_every=100",
+        "--quiet",
+    ]
+    two = tmp_path / "two"
+    torchrun = [script("torchrun"), "--standalone", "--nproc_per_node=2", "--no-python", script("cipher-train")]
+    r = run_cli(*torchrun, *run, "--out", two, env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    draws, windows = [], {}  # the windows of each training micro-batch, in the order the trainer drew them
+    iterate = Loader.__iter__
+
+    def watched(self):
+        for batch in iterate(self):
+            if self.split == "train":
+                draws.append(batch["input_ids"].tolist())
+            yield batch
+
+    monkeypatch.setattr(Loader, "__iter__", watched)
+    for name, extra in (("one", []), ("resumed", ["--resume", two / "checkpoints/step_0000002"])):
+        draws.clear()
+        res = in_process(*run, "training.grad_accum=2", "--out", tmp_path / name, *extra)
+        assert res.code == 0, res.err[-2000:]
+        windows[name] = list(draws)
+    assert len(windows["one"]) == 8 and windows["resumed"] == windows["one"][4:]  # 2 micro-batches x 2 windows a step
+    losses = {n: [row["loss"] for row in rows(tmp_path / n) if "loss" in row] for n in ("two", "one", "resumed")}
+    assert losses["two"] == pytest.approx(losses["one"], rel=1e-4)  # the same global batches, summed in another order
+    assert losses["resumed"] == pytest.approx(losses["one"][2:], rel=1e-4)  # and the weights and optimizer carried over
+    elastic = json.loads((tmp_path / "resumed/record.json").read_text())["source_checkpoint"]["elastic"]
+    assert elastic["world_size"] == {"from": 2, "to": 1} and elastic["rng"] == RESEED_RULE
+    assert elastic["global_batch"]["windows"] == 4

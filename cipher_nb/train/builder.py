@@ -8,7 +8,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_builder.html.md"""
 __all__ = ['ALLOCATOR', 'NO_HELDOUT', 'BUDGET_MAX_STEPS', 'RUN_FILES', 'codec_description', 'RunCheckpoints', 'MoEBalancing',
            'stage_hooks', 'init_distributed', 'configure_allocator', 'device_plan', 'resume_source', 'check_start',
            'parameter_counts', 'parameter_line', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
-           'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'never_started', 'backup_name', 'claim_run_dir']
+           'record_elastic', 'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'never_started', 'backup_name',
+           'claim_run_dir']
 
 # %% ../../nbs/11a_train_builder.ipynb #c0aa1c89
 import json
@@ -334,12 +335,30 @@ def restore(trainer: Trainer, path: Path):
             f"{path} was trained with optimizer '{saved}', this run uses '{now}': its optimizer state is "
             "reinitialised (weights, data position and step are kept)"
         )
-    res = restore_training_state(path, trainer.raw_model, trainer.optimizer if same_kind else None)
+    seed = trainer.cfg.training.seed if getattr(trainer.loader, "planned", False) else None  # a replay plan
+    res = restore_training_state(path, trainer.raw_model, trainer.optimizer if same_kind else None, seed=seed)
     trainer.load_state_dict(ck.load_checkpoint(path, keys=("trainer",))["trainer"])
     trainer.loader.load_state_dict(res["data"])
+    if res["elastic"]:
+        record_elastic(trainer, res["elastic"])
     if trainer.is_main:
         truncate_metrics(trainer.run_dir / "metrics.jsonl", trainer.step)
         print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
+
+
+def record_elastic(trainer: Trainer, elastic: dict):
+    "Put a resume on another world size in the record (and say it): from and to, the global batch, the RNG rule."
+    t = trainer.cfg.training
+    rows = trainer.env.world_size * t.batch_size * t.grad_accum
+    elastic = dict(elastic, global_batch=dict(windows=rows, tokens=rows * t.seq_len))
+    trainer.record.source_checkpoint = {**(trainer.record.source_checkpoint or {}), "elastic": elastic}
+    if trainer.is_main:
+        w = elastic["world_size"]
+        print(
+            f"resumed on {w['to']} rank(s) a run saved on {w['from']}: the replay plan continues the same global "
+            f"batches ({rows} windows a step); RNG: {elastic['rng']}",
+            file=sys.stderr,
+        )
 
 # %% ../../nbs/11a_train_builder.ipynb #7b9f0b34
 BUDGET_MAX_STEPS = 10**9  # the cap of a time-budgeted run without --max-steps (none); the plan is the horizon
