@@ -206,6 +206,7 @@ class DataConfig:
     heldout_tail_bytes: int = 0  # hold out the last N bytes of each training file (a corpus of one file)
     doc_mask: bool = True  # emit doc_ids so attention stays inside a document
     num_workers: int = 0
+    pin_memory: bool = False  # training batches in page-locked memory, copied to the GPU asynchronously (CUDA only)
     shuffle_buffer: int = 1024  # streamed (hub, jsonl, parquet) training documents drawn at random from; 0 = row order
     sources: dict = dict_field()  # named sources for the curriculum: name -> {source, path, ...}
     phases: list = list_field()  # curriculum: [{until: 0.3, mix: {name: weight}}, ...]; empty = one phase

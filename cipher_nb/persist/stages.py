@@ -12,6 +12,7 @@ __all__ = ['LAYOUT_KEYS', 'STAGES', 'STAGE_SOURCES', 'global_rows', 'check_layou
 from itertools import islice
 from typing import get_args
 
+import torch
 import torch.nn as nn
 
 from cipher_nb.config.load import (
@@ -186,7 +187,11 @@ class StageHooks:
     def data(self, rank: int, world_size: int, plan=None) -> tuple:
         "The training loader (its curriculum on `plan`, the trainer's, else the config's horizon) and held-out batches."
         cfg = self.cfg
-        train = build_loader(cfg.data, cfg.training, plan or cfg.schedule, cfg.model.vocab, "train", rank, world_size)
+        pin = cfg.data.pin_memory and torch.cuda.is_available()  # the CPU-only wheel cannot page-lock memory
+        horizon = plan or cfg.schedule
+        train = build_loader(
+            cfg.data, cfg.training, horizon, cfg.model.vocab, "train", rank, world_size, pin_memory=pin
+        )
         if not has_heldout(cfg.data):
             return train, []
         heldout = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "heldout", rank, world_size)
