@@ -89,6 +89,7 @@ def test_a_plan_that_does_not_fit_exits_2_with_the_fixes():
     assert r.returncode == 2
     line = r.stderr.strip()
     assert "\n" not in line and "GiB >" in line and "training.parallel=fsdp" in line, line
+    assert "micro-batch 1 alone needs" in line, line  # not even the smallest micro-batch fits: its figure
     r = run_in_process(cipher_plan, *SMALL, "--gpu", "v100")
     assert r.returncode == 2 and "h100, h200, a100" in r.stderr
 

@@ -329,6 +329,7 @@ class Plan:
     max_micro_batch: int
     flops_per_token: float  # counted
     sizing_flops_per_token: float
+    min_peak_gib: float = 0.0  # the peak at micro-batch 1: what the smallest plan of this layout needs
 
     @property
     def fits(self) -> bool:
@@ -388,6 +389,7 @@ def plan_run(m: ModelConfig, t: TrainConfig, optim: OptimConfig, world: int = 8,
         max_micro_batch=best,
         flops_per_token=count_flops(m, t) / t.seq_len,
         sizing_flops_per_token=flops_per_token(m, t.seq_len),
+        min_peak_gib=round(sum(peak(traced[1])[1].values()) / GiB, 3),
     )
 
 # %% ../../nbs/10e_train_plan.ipynb #17cd57dd
@@ -409,9 +411,10 @@ def plan_fixes(p: Plan, training: TrainConfig) -> list:
 # %% ../../nbs/10e_train_plan.ipynb #e04bc64b
 def misfit_line(p: Plan, training: TrainConfig) -> str:
     "One line for a plan that does not fit: the peak against the limit, and the fixes in the order to try them."
+    smallest = f" (micro-batch 1 alone needs {p.min_peak_gib:.1f})" if p.max_micro_batch < 1 else ""
     return (
-        f"peak {p.peak_gib:.1f} GiB > {p.limit_gib:.1f} GiB on {GPUS[p.gpu].name} at micro-batch {p.micro_batch}; "
-        f"try {', then '.join(plan_fixes(p, training)) or 'a larger GPU'}"
+        f"peak {p.peak_gib:.1f} GiB > {p.limit_gib:.1f} GiB on {GPUS[p.gpu].name} at micro-batch {p.micro_batch}"
+        f"{smallest}; try {', then '.join(plan_fixes(p, training)) or 'more GPUs or a larger one'}"
     )
 
 
