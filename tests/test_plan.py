@@ -66,6 +66,19 @@ def test_plan_matches_a_measured_cpu_step():
     assert abs(planned / real - 1) < 0.15, (planned, real)
 
 
+SHORT_BYTES = ["training.seq_len=128", "model.recurrence.n_loops=2"]  # every piece, at a fraction of the cost
+
+
+def test_the_byte_model_plan_bounds_a_measured_step():
+    """flexitokens-cpu (the recurrent byte model: experts, Engram, ACT), shortened: with its boundary predictor
+    the plan assumes every byte a segment, an upper bound of the measured step; without it, the plan is the step."""
+    for extra, bound_only in (([], True), (["model.boundary.enabled=false"], False)):
+        cfg = load_config(PRESETS / "flexitokens-cpu.yaml", ["training.batch_size=2", *SHORT_BYTES, *extra])
+        traced = trace_step(cfg.model, cfg.training, cfg.optim, 2, dtype=torch.float32)
+        planned, real = max(sum(by.values()) for by in traced.values()), measured_peak(cfg, 2)
+        assert planned >= real and (bound_only or planned / real - 1 < 0.15), (extra, planned, real)
+
+
 @pytest.mark.parametrize("preset", ["h100", "wide-h100", "flexitokens-h100"])
 def test_counted_flops_agree_with_sizing(preset):
     "FlopCounterMode (with our formulas) and sizing.flops_per_token agree within 3%, on each preset's shapes shrunk."
