@@ -265,3 +265,30 @@ def test_a_run_resumed_on_fewer_ranks_continues_the_global_batches(small, tmp_pa
     elastic = json.loads((tmp_path / "resumed/record.json").read_text())["source_checkpoint"]["elastic"]
     assert elastic["world_size"] == {"from": 2, "to": 1} and elastic["rng"] == RESEED_RULE
     assert elastic["global_batch"]["windows"] == 4
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_shards_prepared_from_a_datasets_stream_hold_every_row(kind, tmp_path):
+    "The hub code path on local files: rows read through `datasets` (jsonl, parquet) land in the shards, each whole."
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cipher_nb.data.shards import ShardStream
+
+    texts = [f"row {i}: " + "abcdefgh"[: 1 + i % 8] * (1 + i % 5) for i in range(40)]
+    if kind == "jsonl":
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    else:
+        path = tmp_path / "rows.parquet"
+        pq.write_table(pa.table({"text": texts}), path, row_group_size=16)
+    data = load_config(None, ["data.source=files", f"data.path={path}", "data.heldout_frac=0"]).data
+    m = prepare_shards(data, tmp_path / "shards", procs=1, progress=False)
+    stream, codec, got = ShardStream(tmp_path / "shards", "train", 0, 1, seed=0, epochs=1), build_codec(data), []
+    while (ids := stream.next_doc()) is not None:
+        got.append(bytes(int(i) for i in ids if i < 256).decode())  # the document's bytes, without BOS and EOS
+    assert sorted(got) == sorted(texts) and m["tokens"]["train"] == sum(len(t) + 2 for t in texts), (
+        m["tokens"],
+        got[:3],
+    )
+    assert codec.vocab_size == m["vocab"]
