@@ -397,7 +397,7 @@ def verdict_table(runs: list, names: list) -> str:
         if seeds:
             v = paired_verdict([bpb[n, s] for s in seeds], [bpb[ref, s] for s in seeds], (n, ref))
             lines.append(f"- {verdict_line(v)}")
-    return "\n".join(lines)
+    return "\n".join(lines) if len(lines) > 2 else ""  # no pair ran on a common seed: no section
 
 
 def seed_table(runs: list, names: list) -> str:
@@ -585,7 +585,8 @@ def main():
         reap(True)
     runs.sort(key=lambda r: (names.index(r["name"]), r["seed"]))
     cmd = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
-    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names) + "\n\n" + verdict_table(runs, names)
+    verdicts = verdict_table(runs, names)
+    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names) + (f"\n\n{verdicts}" if verdicts else "")
     text += "\n\n" + seed_table(runs, names)
     print("\n" + text)
     out.with_suffix(".md").write_text(text + "\n")

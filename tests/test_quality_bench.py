@@ -82,6 +82,7 @@ def test_verdicts_state_the_interval_per_pair():
         "- moe - dense: -0.0500 [-0.0748, -0.0252] over 3 seeds, signs ---: moe better",
         "- moe+bp - dense: -0.0100 [-0.1611, +0.1411] over 3 seeds, signs +--: cannot tell at this budget with 3 seeds",
     ]
+    assert quality.verdict_table(runs[3:], ["moe", "moe+bp"]) == ""  # no reference ran: no section
 
 
 def test_windows_score_every_target_once():
