@@ -7,7 +7,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_experiments.html.md"""
 # %% auto #0
 __all__ = ['train_command', 'run_request', 'finished_run', 'run_once', 'run_stage', 'RunNotFinished', 'require_finished',
            'ablation_grid', 'variant_name', 'ablation_plan', 'check_pairing', 'cipher_train_script', 'ablation_configs',
-           'run_ablation', 'is_number', 'metric', 'moe_layers', 'final_figures', 'ablation_table', 'ablation_verdicts']
+           'run_ablation', 'is_number', 'metric', 'moe_layers', 'final_figures', 'ablation_table', 'ablation_verdicts',
+           'all_decided']
 
 # %% ../../nbs/12a_eval_experiments.ipynb #9e6c48bb
 import dataclasses
@@ -24,7 +25,7 @@ import numpy as np
 
 import cipher_nb.persist.files as ck
 from ..config.load import Config, ConfigError, config_hash, load_config
-from .verdict import paired_verdict, verdict_line
+from .verdict import paired_verdict, sequential_verdict, verdict_line
 from ..monitor.gate import read_metrics
 from ..persist.record import checkpoint_hash
 from ..persist.runlock import RunLock
@@ -180,6 +181,7 @@ def run_ablation(
     overwrite=False,
     seeds: int = 0,
     key: str = "val/bpb",
+    sequential: bool = False,
 ) -> dict:
     "Train each variant of `grid` into ROOT/<variant> (with `seeds`: paired, ROOT/<variant>/seed=S); {name: run_dir}."
     plan = ablation_plan(grid, seeds)
@@ -192,8 +194,11 @@ def run_ablation(
             cmd = [cipher_train_script(), *([str(config)] if config else []), *overrides, *variant]
             cmd += ["--out", str(run_dir), "--quiet"]
         runs[name] = run_once(cfgs[name], run_dir, progress=progress, command=cmd, overwrite=overwrite)
+        if sequential and len(runs) % len(grid) == 0 and all_decided(runs, key, seeds):
+            print(f"every pair decided after {len(runs) // len(grid)} of {seeds} planned seeds: stopped")
+            break
     if seeds:
-        for v in ablation_verdicts(runs, key):
+        for v in ablation_verdicts(runs, key, max_seeds=seeds if sequential else 0):
             print(verdict_line(v))
     return runs
 
@@ -245,7 +250,7 @@ def ablation_table(runs: dict) -> list:
     return [{"variant": name, **final_figures(read_metrics(Path(d) / "metrics.jsonl"))} for name, d in runs.items()]
 
 # %% ../../nbs/12a_eval_experiments.ipynb #94eccc04
-def ablation_verdicts(runs: dict, key: str = "val/bpb", lower_is_better: bool = True) -> list:
+def ablation_verdicts(runs: dict, key: str = "val/bpb", lower_is_better: bool = True, max_seeds: int = 0) -> list:
     "The first variant against each other one of a paired ablation (`{variant/seed=S: dir}`): `paired_verdict` rows."
     figures = {}  # variant -> {seed: final figure}
     for name, d in runs.items():
@@ -261,5 +266,13 @@ def ablation_verdicts(runs: dict, key: str = "val/bpb", lower_is_better: bool = 
     for other in others:
         both = sorted(set(figures[ref]) & set(figures[other]))
         a, b = [figures[ref][s] for s in both], [figures[other][s] for s in both]
-        out.append(paired_verdict(a, b, (ref, other), lower_is_better=lower_is_better))
+        if max_seeds:  # a sequential ablation: each look's interval at its Bonferroni share of the 5%
+            out.append(sequential_verdict(a, b, max_seeds, (ref, other), lower_is_better=lower_is_better))
+        else:
+            out.append(paired_verdict(a, b, (ref, other), lower_is_better=lower_is_better))
     return out
+
+
+def all_decided(runs: dict, key: str, max_seeds: int) -> bool:
+    "Whether a sequential ablation may stop: every pair has a verdict (or the planned seeds are spent)."
+    return all(v["stop"] for v in ablation_verdicts(runs, key, max_seeds=max_seeds))
