@@ -45,7 +45,9 @@ and it gets as many rows as make the bytes of `--eval-batches` base batches, so 
 context than it was trained with. The minimal GPT is scored by that same function through `minimal_gpt.HeldoutView`
 (its byte ids). Peak RSS is each run's own process's high-water mark (VmHWM; a child's ru_maxrss would inherit the
 parent's peak on Linux). The tables give each contender's per-seed differences from the minimal GPT and
-from dense (a seed fixes the data order for all of them), and a table of every seed.
+from dense (a seed fixes the data order for all of them), each such pair's verdict ("A better", "B better" or "cannot
+tell at this budget with N seeds", from a 95% t interval on the mean per-seed difference: cipher_nb.eval.verdict),
+and a table of every seed.
 Writes `--out`.md (the tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
 """
 
@@ -379,11 +381,30 @@ def table(runs: list, names: list) -> str:
     return "\n".join(lines)
 
 
+def ref_pairs(names: list) -> list:
+    "(contender, reference) for each reference present and each other contender, each pair once."
+    return [(n, ref) for ref in REFS if ref in names for n in names if n not in (ref, *REFS[: REFS.index(ref)])]
+
+
+def verdict_table(runs: list, names: list) -> str:
+    "Per (contender, reference): the mean per-seed difference, its 95% t interval, the sign per seed and the verdict."
+    from cipher_nb.eval.verdict import paired_verdict, verdict_line
+
+    bpb = {(r["name"], r["seed"]): r["bpb"] for r in runs}
+    lines = ["verdicts (held-out bpb, contender - reference over the seeds both ran; 95% t interval on the mean):", ""]
+    for n, ref in ref_pairs(names):
+        seeds = sorted(s for m, s in bpb if m == n and (ref, s) in bpb)
+        if seeds:
+            v = paired_verdict([bpb[n, s] for s in seeds], [bpb[ref, s] for s in seeds], (n, ref))
+            lines.append(f"- {verdict_line(v)}")
+    return "\n".join(lines) if len(lines) > 2 else ""  # no pair ran on a common seed: no section
+
+
 def seed_table(runs: list, names: list) -> str:
     "Every seed on its own line: each contender's held-out bpb and each one's difference from the references."
     bpb = {(r["name"], r["seed"]): r["bpb"] for r in runs}
     seeds = sorted({r["seed"] for r in runs})
-    diffs = [(n, ref) for ref in REFS if ref in names for n in names if n not in (ref, *REFS[: REFS.index(ref)])]
+    diffs = ref_pairs(names)
     lines = [
         "per seed (held-out bpb; a difference below 0: the first contender is ahead):",
         "",
@@ -564,7 +585,9 @@ def main():
         reap(True)
     runs.sort(key=lambda r: (names.index(r["name"]), r["seed"]))
     cmd = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
-    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names) + "\n\n" + seed_table(runs, names)
+    verdicts = verdict_table(runs, names)
+    text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names) + (f"\n\n{verdicts}" if verdicts else "")
+    text += "\n\n" + seed_table(runs, names)
     print("\n" + text)
     out.with_suffix(".md").write_text(text + "\n")
     out.with_suffix(".json").write_text(json.dumps(dict(command=cmd, costs=costs, runs=runs), indent=1))

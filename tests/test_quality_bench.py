@@ -69,6 +69,22 @@ def test_table_reports_both_references_and_every_seed():
     assert seeds[5] == "| 1 | 2.6000 | 2.5000 | 2.4500 | -0.1000 | -0.1500 | -0.0500 |"
 
 
+def test_verdicts_state_the_interval_per_pair():
+    # moe - dense per seed: -0.05, -0.04, -0.06: mean -0.05, sd 0.01, t(0.975, 2) = 4.303 from a printed table,
+    # interval -0.05 +- 4.303 * 0.01 / sqrt(3) = [-0.0748, -0.0252]; moe+bp - dense: +0.06, -0.04, -0.05: mean -0.01,
+    # sd 0.0608, interval -0.01 +- 0.1511: no verdict
+    runs = [run("dense", s, 2.0) for s in range(3)] + [
+        run("moe", s, 2.0 + d) for s, d in enumerate((-0.05, -0.04, -0.06))
+    ]
+    runs += [run("moe+bp", s, 2.0 + d) for s, d in enumerate((0.06, -0.04, -0.05))]
+    lines = quality.verdict_table(runs, ["dense", "moe", "moe+bp"]).splitlines()[2:]
+    assert lines == [
+        "- moe - dense: -0.0500 [-0.0748, -0.0252] over 3 seeds, signs ---: moe better",
+        "- moe+bp - dense: -0.0100 [-0.1611, +0.1411] over 3 seeds, signs +--: cannot tell at this budget with 3 seeds",
+    ]
+    assert quality.verdict_table(runs[3:], ["moe", "moe+bp"]) == ""  # no reference ran: no section
+
+
 def test_windows_score_every_target_once():
     for T in (30, 64, 100, 256):
         seen = [p for s, first in minimal_gpt.windows(T, 64) for p in range(max(s, first), min(T, s + 64))]

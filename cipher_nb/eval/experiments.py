@@ -6,10 +6,12 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_experiments.html.md"""
 
 # %% auto #0
 __all__ = ['train_command', 'run_request', 'finished_run', 'run_once', 'run_stage', 'RunNotFinished', 'require_finished',
-           'ablation_grid', 'variant_name', 'cipher_train_script', 'run_ablation', 'is_number', 'metric', 'moe_layers',
-           'final_figures', 'ablation_table']
+           'ablation_grid', 'variant_name', 'ablation_plan', 'check_pairing', 'cipher_train_script', 'ablation_configs',
+           'run_ablation', 'is_number', 'metric', 'moe_layers', 'final_figures', 'ablation_table', 'ablation_verdicts',
+           'all_decided']
 
 # %% ../../nbs/12a_eval_experiments.ipynb #9e6c48bb
+import dataclasses
 import itertools
 import json
 import re
@@ -23,6 +25,7 @@ import numpy as np
 
 import cipher_nb.persist.files as ck
 from ..config.load import Config, ConfigError, config_hash, load_config
+from .verdict import paired_verdict, sequential_verdict, verdict_line
 from ..monitor.gate import read_metrics
 from ..persist.record import checkpoint_hash
 from ..persist.runlock import RunLock
@@ -125,6 +128,28 @@ def variant_name(overrides) -> str:
     name = "_".join(f"{o.split('=', 1)[0].rsplit('.', 1)[-1]}={o.split('=', 1)[1]}" for o in overrides) or "base"
     return re.sub(r"[^\w.=+-]", "-", name)
 
+# %% ../../nbs/12a_eval_experiments.ipynb #d2bac6b3
+def ablation_plan(grid: list, seeds: int = 0) -> list:
+    "(run name, overrides) per run: one per variant, or with `seeds` one per seed and variant (`top_k=1/seed=0`)."
+    names = [variant_name(v) for v in grid]
+    if len(set(names)) < len(names):  # refused before any variant trains
+        clash = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"two variants share the folder name '{clash}': make their values differ")
+    if not seeds:
+        return list(zip(names, grid))
+    if any(o.split("=", 1)[0] == "training.seed" for v in grid for o in v):
+        raise ConfigError("a paired ablation sets training.seed itself (seeds=N): take it out of the grid")
+    return [(f"{n}/seed={s}", [*v, f"training.seed={s}"]) for s in range(seeds) for n, v in zip(names, grid)]
+
+
+def check_pairing(cfgs: list, names: list):
+    "Refuse contenders whose data sections differ: they cannot share a data order."
+    ref = dataclasses.asdict(cfgs[0].data)
+    differ = sorted({k for c in cfgs[1:] for k, v in dataclasses.asdict(c.data).items() if ref[k] != v})
+    if differ:
+        keys = ", ".join(f"data.{k}" for k in differ)
+        raise ConfigError(f"pairing is impossible: the contenders {', '.join(names)} differ in {keys}")
+
 # %% ../../nbs/12a_eval_experiments.ipynb #9ea3c353
 def cipher_train_script() -> str:
     "The path of the `cipher-train` console script of this environment."
@@ -137,6 +162,15 @@ def cipher_train_script() -> str:
     return found
 
 
+def ablation_configs(plan: list, config: str = None, overrides=()) -> dict:
+    "The config of each run of an `ablation_plan`; a paired plan is refused when its variants' data differ."
+    cfgs = {name: load_config(config, [*overrides, *variant]) for name, variant in plan}
+    for seed in {n.partition("/seed=")[2] for n in cfgs if "/seed=" in n}:
+        names = [n for n in cfgs if n.partition("/seed=")[2] == seed]
+        check_pairing([cfgs[n] for n in names], [n.partition("/seed=")[0] for n in names])
+    return cfgs
+
+
 def run_ablation(
     grid: list,
     root,
@@ -145,28 +179,27 @@ def run_ablation(
     subprocess: bool = False,
     progress: bool = False,
     overwrite=False,
+    seeds: int = 0,
+    key: str = "val/bpb",
+    sequential: bool = False,
 ) -> dict:
-    "Train each variant (overrides on top of `config` and `overrides`) into ROOT/<variant_name>; {name: run_dir}."
-    names = [variant_name(v) for v in grid]
-    if len(set(names)) < len(names):  # refused before any variant trains
-        clash = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"two variants share the folder name '{clash}': make their values differ")
+    "Train each variant of `grid` into ROOT/<variant> (with `seeds`: paired, ROOT/<variant>/seed=S); {name: run_dir}."
+    plan = ablation_plan(grid, seeds)
+    cfgs = ablation_configs(plan, config, overrides)  # every config loads and pairs before anything trains
     runs = {}
-    for name, variant in zip(names, grid):
+    for name, variant in plan:
         run_dir = Path(root) / name
-        cfg = load_config(config, [*overrides, *variant])
         cmd = None
         if subprocess:  # the same console script a shell would run; its config comes out identical to cfg
-            cmd = [
-                cipher_train_script(),
-                *([str(config)] if config else []),
-                *overrides,
-                *variant,
-                "--out",
-                str(run_dir),
-                "--quiet",
-            ]
-        runs[name] = run_once(cfg, run_dir, progress=progress, command=cmd, overwrite=overwrite)
+            cmd = [cipher_train_script(), *([str(config)] if config else []), *overrides, *variant]
+            cmd += ["--out", str(run_dir), "--quiet"]
+        runs[name] = run_once(cfgs[name], run_dir, progress=progress, command=cmd, overwrite=overwrite)
+        if sequential and len(runs) % len(grid) == 0 and all_decided(runs, key, seeds):
+            print(f"every pair decided after {len(runs) // len(grid)} of {seeds} planned seeds: stopped")
+            break
+    if seeds:
+        for v in ablation_verdicts(runs, key, max_seeds=seeds if sequential else 0):
+            print(verdict_line(v))
     return runs
 
 # %% ../../nbs/12a_eval_experiments.ipynb #eefc3b59
@@ -215,3 +248,31 @@ def final_figures(rows: list) -> dict:
 def ablation_table(runs: dict) -> list:
     "One row of final figures per run (`{name: run_dir}`), in the order given."
     return [{"variant": name, **final_figures(read_metrics(Path(d) / "metrics.jsonl"))} for name, d in runs.items()]
+
+# %% ../../nbs/12a_eval_experiments.ipynb #94eccc04
+def ablation_verdicts(runs: dict, key: str = "val/bpb", lower_is_better: bool = True, max_seeds: int = 0) -> list:
+    "The first variant against each other one of a paired ablation (`{variant/seed=S: dir}`): `paired_verdict` rows."
+    figures = {}  # variant -> {seed: final figure}
+    for name, d in runs.items():
+        variant, _, seed = name.partition("/seed=")
+        if not seed:
+            raise ValueError(f"run '{name}' has no seed: verdicts need a paired ablation (run_ablation(..., seeds=N))")
+        row = final_figures(read_metrics(Path(d) / "metrics.jsonl"))
+        if key not in row:
+            raise ValueError(f"no final figure '{key}': choose one of {', '.join(row)}")
+        figures.setdefault(variant, {})[int(seed)] = row[key]
+    ref, *others = figures
+    out = []
+    for other in others:
+        both = sorted(set(figures[ref]) & set(figures[other]))
+        a, b = [figures[ref][s] for s in both], [figures[other][s] for s in both]
+        if max_seeds:  # a sequential ablation: each look's interval at its Bonferroni share of the 5%
+            out.append(sequential_verdict(a, b, max_seeds, (ref, other), lower_is_better=lower_is_better))
+        else:
+            out.append(paired_verdict(a, b, (ref, other), lower_is_better=lower_is_better))
+    return out
+
+
+def all_decided(runs: dict, key: str, max_seeds: int) -> bool:
+    "Whether a sequential ablation may stop: every pair has a verdict (or the planned seeds are spent)."
+    return all(v["stop"] for v in ablation_verdicts(runs, key, max_seeds=max_seeds))

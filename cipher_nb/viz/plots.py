@@ -9,7 +9,7 @@ __all__ = ['LOAD_KEY', 'LOOP_TITLES', 'PngFigure', 'load_run', 'expert_load_matr
            'plot_grad_norm', 'plot_throughput', 'load_norm', 'plot_expert_load', 'plot_router_entropy', 'plot_overlap',
            'loop_count', 'plot_loop_series', 'panel_titles', 'training_figure', 'routing_figure', 'loops_figure',
            'load_export', 'final_bp_mode', 'learned_boundaries', 'char_cells', 'plot_boundaries', 'sample_text',
-           'boundary_figure', 'run_figures', 'save_png', 'cipher_plot', 'plot_ablation']
+           'boundary_figure', 'run_figures', 'save_png', 'cipher_plot', 'plot_verdicts', 'plot_ablation']
 
 # %% ../../nbs/13_viz_plots.ipynb #343694a1
 import io
@@ -47,6 +47,7 @@ from ..data.codecs import ByteCodec
 from ..data.curriculum import Curriculum
 from ..eval.experiments import ablation_grid as ablation_grid
 from ..eval.experiments import ablation_table as ablation_table
+from ..eval.experiments import ablation_verdicts as ablation_verdicts
 from ..eval.experiments import cipher_train_script as cipher_train_script
 from ..eval.experiments import final_figures as final_figures
 from ..eval.experiments import finished_run as finished_run
@@ -493,9 +494,27 @@ def cipher_plot(
         print(f"{p}: {' | '.join(panel_titles(fig))}")
 
 # %% ../../nbs/13_viz_plots.ipynb #85ded914
-def plot_ablation(runs: dict, keys=("loss", "val/loss")) -> Figure:
-    "One panel per metric in `keys`, one line per run, side by side."
-    fig, axes = _grid(len(keys), len(keys))
+def plot_verdicts(verdicts: list, ax, key: str = "val/bpb"):
+    "Per pair of a paired ablation: a dot per seed's difference A - B, the mean with its interval as an error bar."
+    for y, v in enumerate(verdicts):
+        ax.plot(v["diffs"], [y] * len(v["diffs"]), "o", color="0.55", ms=4, label="a seed" if y == 0 else None)
+        if not math.isnan(v["low"]):
+            err = [[v["mean"] - v["low"]], [v["high"] - v["mean"]]]
+            ax.errorbar(
+                [v["mean"]], [y], xerr=err, fmt="s", color="C3", capsize=4, label="mean, 95%" if y == 0 else None
+            )
+    ax.axvline(0.0, color="0.3", lw=0.8)
+    ax.set_yticks(range(len(verdicts)), [f"{v['A']} - {v['B']}\n{v['verdict']}" for v in verdicts], fontsize=7)
+    ax.set_ylim(-0.5, len(verdicts) - 0.5)
+    ax.set(title=f"paired difference of {key}", xlabel=f"{key}: A - B")
+    if verdicts:
+        ax.legend(fontsize=7)
+
+
+def plot_ablation(runs: dict, keys=("loss", "val/loss"), verdict_key: str = "val/bpb") -> Figure:
+    "One panel per metric in `keys`, one line per run; a paired ablation adds its verdicts on `verdict_key`."
+    paired = len(runs) > 1 and all("/seed=" in name for name in runs)
+    fig, axes = _grid(len(keys) + paired, len(keys) + paired)
     data = {name: read_metrics(Path(d) / "metrics.jsonl") for name, d in runs.items()}
     for ax, key in zip(axes, keys):
         for name, rows in data.items():
@@ -507,4 +526,6 @@ def plot_ablation(runs: dict, keys=("loss", "val/loss")) -> Figure:
             ax.legend(fontsize=7)
         else:
             note_panel(ax, f"no {key} logged")
+    if paired:
+        plot_verdicts(ablation_verdicts(runs, verdict_key), axes[-1], verdict_key)
     return fig
