@@ -7,10 +7,13 @@ after a checkpoint, without seconds of imports per process), on one thread like 
 are compared with bit for bit."""
 
 import json
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, rows, run_in_process, same_weights, weights
+from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, ROOT, rows, run_cli, run_in_process, same_weights, weights
 
 EMA = [*RESUME, "optim.ema=0.9"]  # 0.9: the warmed-up decay (0.1, 2/11, ...) moves over six steps, and the cap too
 
@@ -73,3 +76,25 @@ def test_ema_off_exports_the_trained_weights(straight_run):
     shared = [k for k in final if k in last["model"]]
     assert shared and all(torch.equal(final[k], last["model"][k]) for k in shared)
     assert "ema" not in json.loads((straight_run / "record.json").read_text())["optimizer"]
+
+
+def test_fsdp2_average_is_sharded_and_resumes_exactly(tmp_path):
+    """FSDP2 on two CPU ranks (gloo): the average is a shard per rank, saved through DCP with the model, and a run
+    resumed from its half-way checkpoint ends with the same shards of average and weights as the run that went on."""
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    r = run_cli(
+        torchrun, "--standalone", "--nproc_per_node=2", str(ROOT / "tests/ema_fsdp.py"), str(tmp_path),
+        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for res in ranks:
+        assert res["sharded"] and res["same_average"] and res["same_weights"], res
+        assert res["updates"] == [RESUME_STEPS, RESUME_STEPS]
+    skeleton = torch.load(tmp_path / f"a/checkpoints/step_{RESUME_EVERY:07d}/state.pt", weights_only=False)["_sharded"]
+    assert "ema" in skeleton  # written by DCP beside the model's shards, not gathered into state.pt
+    assert same_weights(weights(tmp_path / "a/final"), weights(tmp_path / "b/final"))  # the average, gathered
+    ema = json.loads((tmp_path / "a/record.json").read_text())["optimizer"]["ema"]
+    assert ema == dict(decay=0.9, bytes_per_rank=ranks[0]["bytes"], world_size=2)
+    n = sum(t.numel() for t in weights(tmp_path / "a/final").values())
+    assert sum(r["bytes"] for r in ranks) <= 4 * n  # each rank holds its half (tied weights are exported once)

@@ -24,6 +24,9 @@ def ema_decay(decay: float, updates: int) -> float:
 # %% ../../nbs/08d_optim_ema.ipynb #342ea1df
 def averaged_params(model: nn.Module) -> dict:
     "The parameters an average follows, by name: those that train (each a DTensor shard under FSDP2)."
+    for m in model.modules():
+        if hasattr(m, "reshard") and hasattr(m, "unshard"):  # FSDP2: a root keeps its weights gathered after a forward
+            m.reshard()  # every parameter registered as its shard again, the tensors the average is sharded like
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
