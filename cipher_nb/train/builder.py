@@ -124,7 +124,7 @@ class RunCheckpoints:
         if v is not None and (best is None or v < best):
             with self.published(trainer, trainer.raw_model):  # the weights that were evaluated
                 state, meta = self.state(trainer)
-                self.checkpointer.save_best(state, meta, v)  # a background save has its host copy on return
+                self.checkpointer.save_best(state, {**meta, **self.averaged()}, v)  # a background save: copied already
 
     def export(self, trainer) -> dict:
         "Write `RUN/final/` (safetensors and config) from the final weights; return the files' hashes."
@@ -132,11 +132,16 @@ class RunCheckpoints:
         _, meta = self.state(trainer)
         meta.update(trainer.export_meta)  # a callback that changed the weights says so (early stopping: best/'s step)
         final = self.checkpointer.root.parent / "final"  # RUN/final, beside RUN/checkpoints
-        if self.average is not None and "step" not in trainer.export_meta:  # what final/ holds, in its meta
-            meta["averaged"] = dict(decay=self.average.decay, updates=self.average.updates)
+        if "step" not in trainer.export_meta:  # final/'s meta says it holds the average (best/'s says so of its own)
+            meta.update(self.averaged())
         with self.published(trainer, trainer.raw_model):
             model = self.export_model(trainer.raw_model)
             return export_model(model, final, config=meta["config"], codec=self.codec, meta=meta)
+
+    def averaged(self) -> dict:
+        "What the meta of best/ and final/ says of the average they hold (nothing without one)."
+        a = self.average
+        return {} if a is None else {"averaged": dict(decay=a.decay, updates=a.updates)}
 
     def published(self, trainer, model: nn.Module):
         "A block in which `model` holds the weights a run publishes: the average when there is one, else its own."
