@@ -137,3 +137,19 @@ def test_fsdp_shards_the_optimizer_state_over_a_fake_world():
     one, four = (trace_step(cfg.model, cfg.training, cfg.optim, 2, w)["optimizer"] for w in (1, 4))
     assert abs(four["optimizer"] * 4 / one["optimizer"] - 1) < 0.05, (one, four)
     assert four["parameters"] < one["parameters"] / 2  # the shards, and no more than a block gathered at a time
+
+
+def test_ema_adds_one_fp32_copy_of_the_parameters_per_gpu():
+    "optim.ema > 0: each phase's optimizer state grows by 4 bytes a parameter, a quarter of that on 4 GPUs (FSDP2)."
+    from dataclasses import replace
+
+    cfg = load_config(None, [*SMALL, "training.parallel=fsdp"])
+    n = sum(p.numel() for p in CipherModel(cfg.model).parameters() if p.requires_grad)
+    for world in (1, 4):
+        off, on = (trace_step(cfg.model, cfg.training, replace(cfg.optim, ema=e), 2, world) for e in (0.0, 0.999))
+        for phase in off:
+            extra = on[phase]["optimizer"] - off[phase]["optimizer"]
+            assert abs(extra / (4 * n / world) - 1) < 0.01, (world, phase, extra, n)  # shards: rows rounded up
+            assert {k: v for k, v in on[phase].items() if k != "optimizer"} == {
+                k: v for k, v in off[phase].items() if k != "optimizer"
+            }

@@ -93,7 +93,7 @@ _MOVED = dict(
     recurrence=["n_prelude", "n_core", "n_coda", "n_loops", "random_loops", "backprop_loops"],
 )
 _OWNERS = dict(
-    schedule=["lr", "min_lr", "warmup_steps", "max_steps", "time_budget"], optim=["weight_decay", "grad_clip"]
+    schedule=["lr", "min_lr", "warmup_steps", "max_steps", "time_budget"], optim=["weight_decay", "grad_clip", "ema"]
 )
 LEGACY_KEYS = {  # old key -> new path; model.boundary first, since the other boundary keys move under it
     **{f"model.{k}": f"model.{s}.{_RENAMED.get(k, k.removeprefix('bp_'))}" for s, ks in _MOVED.items() for k in ks},
@@ -452,6 +452,8 @@ def validate(cfg: Config) -> Config:
     rules.append((0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"))
     wd = cfg.optim.memory_weight_decay
     rules.append((0 <= wd < math.inf, f"optim.memory_weight_decay ({wd}) must be >= 0 and finite"))
+    ema = cfg.optim.ema
+    rules.append((0 <= ema < 1, f"optim.ema ({ema}) must lie in [0, 1): a decay such as 0.999, or 0 for no average"))
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)

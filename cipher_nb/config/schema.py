@@ -272,6 +272,7 @@ class OptimConfig:
     muon_lr: float = 0.02  # name = muon: the learning rate of the hidden 2-D matrices Muon trains
     muon_momentum: float = 0.95
     bp_freeze_steps: int = -1  # steps with the boundary predictor frozen; -1 = warmup_steps
+    ema: float = 0.0  # decay of an average of the weights that is evaluated and exported (e.g. 0.999); 0 = off
 
 # %% ../../nbs/00a_config_schema.ipynb #ffeb845b
 @dataclass

@@ -299,7 +299,8 @@ def restore_training_state(
     state = load_checkpoint(
         path,
         template=template,
-        keys=None if optimizer is not None else ("model", "scheduler", "step", "tokens", "data", "rng"),
+        # the entries restored here; others have their own readers (a weight average's `ema`, sharded like the model)
+        keys=("model", "scheduler", "step", "tokens", "data", "rng", *(["optimizer"] if optimizer is not None else [])),
     )
     saved_world = len(state["rng"])
     if saved_world != world and seed is None:

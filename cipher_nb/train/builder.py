@@ -8,8 +8,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_builder.html.md"""
 __all__ = ['ALLOCATOR', 'NO_HELDOUT', 'BUDGET_MAX_STEPS', 'RUN_FILES', 'codec_description', 'RunCheckpoints', 'MoEBalancing',
            'stage_hooks', 'init_distributed', 'configure_allocator', 'device_plan', 'resume_source', 'check_start',
            'parameter_counts', 'parameter_line', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
-           'record_elastic', 'resolve_run', 'run_summary', 'RunDirError', 'holds_run', 'never_started', 'backup_name',
-           'claim_run_dir']
+           'restore_average', 'record_elastic', 'resolve_run', 'run_summary', 'RunDirError', 'holds_run',
+           'never_started', 'backup_name', 'claim_run_dir']
 
 # %% ../../nbs/11a_train_builder.ipynb #c0aa1c89
 import json
@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -50,6 +51,7 @@ from ..model.lm import CipherModel
 from ..model.moe import MoE, update_moe_biases
 from ..monitor.health import MonitorCallback
 from ..monitor.metrics import GPUUtilization, device_peak_flops, heldout_metrics
+from ..optim.ema import WeightAverage, averaged_eval, weight_average
 from ..optim.optimizers import build_optimizer, optimizer_kind
 from ..optim.precision import convert_or_fall_back, detect_precision
 from cipher_nb.persist.checkpointer import (
@@ -78,10 +80,19 @@ def codec_description(codec, data: DataConfig) -> dict:
 class RunCheckpoints:
     "A run's checkpoints (step, emergency, best, final) and the export of its final weights."
 
-    def __init__(self, checkpointer: Checkpointer, loader, describe, codec: dict, export_model=lambda m: m):
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        loader,
+        describe,
+        codec: dict,
+        export_model=lambda m: m,
+        average: WeightAverage | None = None,
+    ):
         "`describe(step=, tokens=, world_size=, optimizer=)`: a checkpoint's meta (`checkpoint_meta` bound to the run)."
         self.checkpointer, self.loader, self.describe = checkpointer, loader, describe
         self.codec, self.export_model = codec, export_model
+        self.average = average  # optim.ema's weight average: saved beside the model, and what best/ and final/ hold
 
     def state(self, trainer) -> tuple:
         "The state to save and its meta."
@@ -92,6 +103,7 @@ class RunCheckpoints:
             tokens=trainer.tokens,
             data_state=self.loader.state_dict(),
             trainer=trainer.state_dict(),
+            **({} if self.average is None else {"ema": self.average.ema_state()}),
         )
         meta = self.describe(
             step=trainer.step,
@@ -110,17 +122,33 @@ class RunCheckpoints:
         "Keep the state as `best/` when `val/loss` is the lowest yet."
         v, best = metrics.get("val/loss"), self.checkpointer.best
         if v is not None and (best is None or v < best):
-            state, meta = self.state(trainer)
-            self.checkpointer.save_best(state, meta, v)
+            with self.published(trainer, trainer.raw_model):  # the weights that were evaluated
+                state, meta = self.state(trainer)
+                self.checkpointer.save_best(state, {**meta, **self.averaged()}, v)  # a background save: copied already
 
     def export(self, trainer) -> dict:
         "Write `RUN/final/` (safetensors and config) from the final weights; return the files' hashes."
         self.checkpointer.wait()
         _, meta = self.state(trainer)
         meta.update(trainer.export_meta)  # a callback that changed the weights says so (early stopping: best/'s step)
-        model = self.export_model(trainer.raw_model)
         final = self.checkpointer.root.parent / "final"  # RUN/final, beside RUN/checkpoints
-        return export_model(model, final, config=meta["config"], codec=self.codec, meta=meta)
+        if "step" not in trainer.export_meta:  # final/'s meta says it holds the average (best/'s says so of its own)
+            meta.update(self.averaged())
+        with self.published(trainer, trainer.raw_model):
+            model = self.export_model(trainer.raw_model)
+            return export_model(model, final, config=meta["config"], codec=self.codec, meta=meta)
+
+    def averaged(self) -> dict:
+        "What the meta of best/ and final/ says of the average they hold (nothing without one)."
+        a = self.average
+        return {} if a is None else {"averaged": dict(decay=a.decay, updates=a.updates)}
+
+    def published(self, trainer, model: nn.Module):
+        "A block in which `model` holds the weights a run publishes: the average when there is one, else its own."
+        # early stopping loaded best/ for the export (its step in export_meta): those are averaged already
+        if self.average is None or "step" in trainer.export_meta:
+            return nullcontext(model)
+        return self.average.applied(model)
 
     def close(self):
         "Wait for a background save to finish."
@@ -245,6 +273,7 @@ def build_trainer(
     model, choice, kernels = convert_or_fall_back(model, choice, min_dim=cfg.training.fp8_min_dim)  # bf16 if it fails
     wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)
     optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
+    average = weight_average(getattr(wrapped, "module", wrapped), cfg.optim)  # optim.ema > 0: fp32, sharded as trained
     # the horizon's one owner: the trainer, its curriculum and the loader's read it
     bought = token_budget_steps(cfg.training, env.world_size, prepared_tokens(cfg.data))
     plan = Schedule(cfg.schedule, token_steps=bought)
@@ -273,6 +302,8 @@ def build_trainer(
         parallel_info, allocator=allocator, **({"plan": planned} if planned else {})
     )  # the trainer adds what ran, after the first step
     record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
+    if average is not None:  # its cost: one fp32 copy of the trained parameters (this rank's shards under FSDP2)
+        record.optimizer["ema"] = dict(decay=average.decay, bytes_per_rank=average.nbytes(), world_size=env.world_size)
     record.warnings = runbook_warnings(cfg.model, cfg.schedule, choice.mode)  # the precision that runs here
     lengths = torch.as_tensor(codec.byte_lengths)
     trainer = Trainer(
@@ -287,7 +318,7 @@ def build_trainer(
         scaler=torch.amp.GradScaler(device.type) if choice.scaler else None,
         curriculum=Curriculum(cfg.data, plan),
         monitor=MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups),
-        eval_fn=heldout_eval(lengths) if heldout else None,
+        eval_fn=averaged_eval(heldout_eval(lengths), average) if heldout else None,
         heldout=heldout,
         record=record,
         checkpoints=RunCheckpoints(
@@ -296,8 +327,10 @@ def build_trainer(
             partial(checkpoint_meta, cfg, data_fingerprint=fingerprint),
             codec_info,
             hooks.export_model,
+            average,
         ),
         callbacks=[
+            *([] if average is None else [average]),  # first: every other callback sees this step's average
             MoEBalancing(),
             *hooks.callbacks(run_dir),
             *early_stopping(cfg.training),
@@ -339,11 +372,25 @@ def restore(trainer: Trainer, path: Path):
     res = restore_training_state(path, trainer.raw_model, trainer.optimizer if same_kind else None, seed=seed)
     trainer.load_state_dict(ck.load_checkpoint(path, keys=("trainer",))["trainer"])
     trainer.loader.load_state_dict(res["data"])
+    restore_average(trainer.checkpoints.average, trainer.raw_model, path)
     if res["elastic"]:
         record_elastic(trainer, res["elastic"])
     if trainer.is_main:
         truncate_metrics(trainer.run_dir / "metrics.jsonl", trainer.step)
         print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
+
+
+def restore_average(average: WeightAverage | None, model: nn.Module, path: Path):
+    "Continue the weight average a checkpoint kept (read into this run's shards); without one, start it afresh."
+    if average is None:
+        return
+    template = dict(ema=average.ema_state())  # under FSDP2 DCP reads each rank's shards into these tensors
+    kept = ck.load_checkpoint(path, template=template, keys=("ema",)).get("ema")
+    if kept is None:
+        average.reset(model)  # the restored weights: a checkpoint of a run without optim.ema
+        warnings.warn(f"{path} kept no weight average: optim.ema's average starts at its weights")
+    else:
+        average.load_ema_state(kept)
 
 
 def record_elastic(trainer: Trainer, elastic: dict):

@@ -38,6 +38,7 @@ from ..config.load import ConfigError, ModelConfig, OptimConfig, TrainConfig, lo
 from ..config.sizing import flops_per_token
 from ..core import autocast
 from ..model.lm import CipherModel
+from ..optim.ema import average_bytes
 from ..optim.optimizers import build_optimizer
 from ..optim.parallel import apply_ac, apply_fsdp
 from ..persist.files import write_json_atomic
@@ -260,6 +261,11 @@ def trace_step(
             tracker.track_external(*parts, *([] if fsdp else [model]))
             ids = torch.zeros(micro_batch, training.seq_len, dtype=torch.long)
             peaks = traced_step(model, opt, ids, dtype, tracker)
+            # optim.ema's average: one fp32 copy of the trained parameters (of this rank's shards under FSDP2) that
+            # lives through every phase, where the parameters live (in host memory under CPU offload)
+            held = average_bytes(model) if optim.ema > 0 and not tracker.offload else 0
+    for by in peaks.values():
+        by["optimizer"] += held
     if world > 1 and not fsdp:
         for by in peaks.values():
             by["gradients"] *= 2  # DDP's buckets
