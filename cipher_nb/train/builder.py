@@ -473,7 +473,7 @@ class RunDirError(ConfigError):
     "A fresh run was asked for in a directory that holds a run, or holds something else."
 
 
-RUN_FILES = ("config.yaml", "record.json", "metrics.jsonl", "checkpoints", "final")
+RUN_FILES = ("config.yaml", "plan.json", "record.json", "metrics.jsonl", "checkpoints", "final")  # plan: CUDA's
 
 
 def holds_run(run_dir: Path) -> bool:
