@@ -46,7 +46,8 @@ def table(runs: list) -> str:
             f"| {r['steps']} | {r['trained']:.4f} | {r['averaged']:.4f} | {r['averaged'] - r['trained']:+.4f} |"
         )
     spread = {k: max(r[k] for r in runs) - min(r[k] for r in runs) for k in ("trained", "averaged")}
-    lines.append(f"| spread (max - min) | {spread['trained']:.4f} | {spread['averaged']:.4f} | |")
+    ratio = spread["averaged"] / spread["trained"] if spread["trained"] else float("nan")
+    lines.append(f"| spread (max - min) | {spread['trained']:.4f} | {spread['averaged']:.4f} | x{ratio:.2f} |")
     return "\n".join(lines)
 
 

@@ -390,6 +390,7 @@ def main(
             print(
                 "  batch to device, GB/s: "
                 + ", ".join(f"{k} {v:.2f}" if v else f"{k} n/a (no GPU)" for k, v in copies[path].items())
+                + (f"; pinned x{c['pinned'] / c['unpinned']:.2f}" if (c := copies[path])["pinned"] else "")
             )
         elapsed = time.perf_counter() - t_start
         if elapsed > time_limit:

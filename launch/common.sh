@@ -22,7 +22,7 @@ sys.exit(0 if c.data.codec == "tokenizer" and not c.data.tokenizer else 1)' "$co
 }
 # A preset that reads one source of documents as it trains: print the directory its documents are tokenized into once,
 # $2/shards/<preset> (`cipher-data prepare --wait`: every node of a job can run this; one prepares while the others
-# wait for its lock and then find it finished, and a relaunch finds it finished without reading the sources). A
+# wait for its lock and then find it finished; a relaunch finds its manifest, written last, and prepares nothing). A
 # curriculum (data.phases), a preset already on shards, or SHARDS=0 prints nothing: those read as they train.
 shards_dir() {
   local config="$1" dir="$2"; shift 2
@@ -30,6 +30,7 @@ shards_dir() {
   "$PY" -c 'import sys; from cipher_nb.config.load import load_config; d = load_config(sys.argv[1], sys.argv[2:]).data
 sys.exit(0 if d.source != "shards" and not d.phases else 1)' "$config" "$@" || return 0
   local out="$dir/shards/$(basename "$config" .yaml)"
-  run cipher-data prepare "$config" "$@" --out "$out" --procs "$(nproc)" --wait --quiet >&2
+  # prepared already: the run checks every shard against the manifest before step 0, so hashing them here is not needed
+  [ -f "$out/manifest.json" ] || run cipher-data prepare "$config" "$@" --out "$out" --procs "$(nproc)" --wait --quiet >&2
   echo "$out"
 }

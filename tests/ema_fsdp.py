@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from conftest import RESUME_EVERY, RESUME_STEPS, SMALL_MODEL  # this script runs from tests/
+from conftest import RESUME, RESUME_STEPS  # this script runs from tests/
 
 from cipher_nb.config.load import load_config
 from cipher_nb.train.builder import build_trainer
@@ -17,20 +17,7 @@ from cipher_nb.train.builder import build_trainer
 out = Path(sys.argv[1])
 cfg = load_config(
     None,
-    [
-        *SMALL_MODEL,
-        "training.seq_len=64",
-        "training.batch_size=4",
-        "training.eval_batches=1",
-        "schedule.warmup_steps=1",
-        f"schedule.max_steps={RESUME_STEPS}",
-        "training.log_every=1",
-        f"training.checkpoint_every={RESUME_EVERY}",
-        f"training.eval_every={RESUME_EVERY}",
-        "training.parallel=fsdp",
-        "training.device=cpu",
-        "optim.ema=0.9",
-    ],
+    [*RESUME, "model.dropout=0.0", "training.parallel=fsdp", "training.device=cpu", "optim.ema=0.9"],
 )
 a = build_trainer(cfg, out / "a", progress=False)
 a.fit(progress=False)
