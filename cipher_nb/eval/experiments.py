@@ -7,18 +7,22 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_experiments.html.md"""
 # %% auto #0
 __all__ = ['train_command', 'run_request', 'finished_run', 'run_once', 'run_stage', 'RunNotFinished', 'require_finished',
            'ablation_grid', 'variant_name', 'ablation_plan', 'check_pairing', 'cipher_train_script', 'ablation_configs',
-           'run_ablation', 'is_number', 'metric', 'moe_layers', 'final_figures', 'ablation_table', 'ablation_verdicts',
-           'all_decided']
+           'run_ablation', 'step_costs', 'is_number', 'metric', 'moe_layers', 'final_figures', 'ablation_table',
+           'ablation_verdicts', 'all_decided']
 
 # %% ../../nbs/12a_eval_experiments.ipynb #9e6c48bb
+import copy
 import dataclasses
 import itertools
 import json
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -201,6 +205,27 @@ def run_ablation(
         for v in ablation_verdicts(runs, key, max_seeds=seeds if sequential else 0):
             print(verdict_line(v))
     return runs
+
+# %% ../../nbs/12a_eval_experiments.ipynb #7d16a371
+def step_costs(cfgs: dict, rounds: int = 5, round_steps: int = 2, clock=time.process_time) -> dict:
+    "Seconds per training step of each config in `cfgs` ({name: Config}): the median of interleaved timed rounds."
+    names, times = list(cfgs), {n: [] for n in cfgs}
+    with tempfile.TemporaryDirectory() as tmp:
+        trs = {}
+        for k, n in enumerate(names):  # a long horizon: timing steps must not reach the end of a schedule
+            c = copy.deepcopy(cfgs[n])
+            c.schedule.max_steps, c.schedule.time_budget = 10**6, ""
+            trs[n] = build_trainer(c, Path(tmp) / str(k), progress=False)
+        for tr in trs.values():
+            for _ in range(round_steps):
+                tr.train_step()  # warm-up: the allocator, caches and first-call paths
+        for r in range(rounds):
+            for n in names[r % len(names) :] + names[: r % len(names)]:
+                t0 = clock()
+                for _ in range(round_steps):
+                    trs[n].train_step()
+                times[n].append((clock() - t0) / round_steps)
+    return {n: statistics.median(ts) for n, ts in times.items()}
 
 # %% ../../nbs/12a_eval_experiments.ipynb #eefc3b59
 def is_number(v) -> bool:
