@@ -361,7 +361,8 @@ def run_ablation(
         # a subprocess runs the same console script a shell would; its config comes out identical to cfgs[name]
         cmd = ablation_command(config, overrides, variant, run_dir) if subprocess else None
         runs[name] = run_once(cfgs[name], run_dir, progress=progress, command=cmd, overwrite=overwrite)
-        if sequential and len(runs) % len(grid) == 0 and all_decided(runs, key, seeds):
+        looked = sequential and len(runs) % len(grid) == 0 and len(runs) < len(order)  # the last seed: no stop to say
+        if looked and all_decided(runs, key, seeds):
             print(f"every pair decided after {len(runs) // len(grid)} of {seeds} planned seeds: stopped")
             break
     if seeds:
