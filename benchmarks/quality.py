@@ -4,6 +4,7 @@ through cipher_nb's own loop on the embedded standard-library corpus.
     python benchmarks/quality.py                              # 5 contenders, 1 seed, 800 CPU-seconds each
     python benchmarks/quality.py --contenders minimal-gpt,dense,moe --budget 90s --seeds 3   # against the baseline
     python benchmarks/quality.py --seeds 3 --jobs 2           # the spread over 3 seeds, two runs at a time
+    python benchmarks/quality.py --contenders dense,moe --seeds 6 --sequential  # seeds one at a time until decided
     python benchmarks/quality.py --budget 60 schedule.lr=2e-3 # a quick ranking of one change (to every contender)
     python benchmarks/quality.py --calibrate-only             # just the step-cost table
     python benchmarks/quality.py --config examples/configs/tiny-cpu-90s.yaml --plan budget --budget 90s --seeds 3 \
@@ -47,7 +48,9 @@ context than it was trained with. The minimal GPT is scored by that same functio
 parent's peak on Linux). The tables give each contender's per-seed differences from the minimal GPT and
 from dense (a seed fixes the data order for all of them), each such pair's verdict ("A better", "B better" or "cannot
 tell at this budget with N seeds", from a 95% t interval on the mean per-seed difference: cipher_nb.eval.verdict),
-and a table of every seed.
+and a table of every seed. With `--sequential`, `--seeds N` is the most seeds it may spend: it adds seeds one at a time
+and stops once every pair's `sequential_verdict` (planned for N looks, each at its Bonferroni share of the 5%) is
+decided, and the verdicts state that sequential interval.
 Writes `--out`.md (the tables), `--out`.json (every run, with its curve) and `--out`.png (held-out bpb vs seconds).
 """
 
@@ -386,17 +389,36 @@ def ref_pairs(names: list) -> list:
     return [(n, ref) for ref in REFS if ref in names for n in names if n not in (ref, *REFS[: REFS.index(ref)])]
 
 
-def verdict_table(runs: list, names: list) -> str:
-    "Per (contender, reference): the mean per-seed difference, its 95% t interval, the sign per seed and the verdict."
-    from cipher_nb.eval.verdict import paired_verdict, verdict_line
+def pair_verdicts(runs: list, names: list, max_seeds: int = 0) -> list:
+    "Each (contender, reference) pair's verdict over the seeds both ran; with `max_seeds`, a sequential one."
+    from cipher_nb.eval.verdict import paired_verdict, sequential_verdict
 
     bpb = {(r["name"], r["seed"]): r["bpb"] for r in runs}
-    lines = ["verdicts (held-out bpb, contender - reference over the seeds both ran; 95% t interval on the mean):", ""]
+    out = []
     for n, ref in ref_pairs(names):
         seeds = sorted(s for m, s in bpb if m == n and (ref, s) in bpb)
-        if seeds:
-            v = paired_verdict([bpb[n, s] for s in seeds], [bpb[ref, s] for s in seeds], (n, ref))
-            lines.append(f"- {verdict_line(v)}")
+        if not seeds:
+            continue
+        a, b = [bpb[n, s] for s in seeds], [bpb[ref, s] for s in seeds]
+        out.append(sequential_verdict(a, b, max_seeds, (n, ref)) if max_seeds else paired_verdict(a, b, (n, ref)))
+    return out
+
+
+def all_decided(runs: list, names: list, max_seeds: int) -> bool:
+    "Whether a sequential comparison may stop: every pair has a verdict (or the planned seeds are spent)."
+    vs = pair_verdicts(runs, names, max_seeds)
+    return bool(vs) and all(v["stop"] for v in vs)
+
+
+def verdict_table(runs: list, names: list, max_seeds: int = 0) -> str:
+    "Per (contender, reference): the mean per-seed difference, its t interval, the sign per seed and the verdict."
+    from cipher_nb.eval.verdict import look_level, verdict_line
+
+    how = "95% t interval on the mean"
+    if max_seeds:  # the interval that stays valid however many of the planned looks were taken
+        how = f"sequential, planned for {max_seeds} seeds: each look's {look_level(0.95, 2, max_seeds):.2%} t interval"
+    lines = [f"verdicts (held-out bpb, contender - reference over the seeds both ran; {how}):", ""]
+    lines += [f"- {verdict_line(v)}" for v in pair_verdicts(runs, names, max_seeds)]
     return "\n".join(lines) if len(lines) > 2 else ""  # no pair ran on a common seed: no section
 
 
@@ -477,6 +499,11 @@ def main():
     p.add_argument("--calibrate-only", action="store_true", help="print the step-cost table and stop")
     p.add_argument("--seeds", type=int, default=1, help="seeds per contender (0, 1, ...)")
     p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="add seeds one at a time and stop once every pair against a reference is decided (--seeds: the most)",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -500,6 +527,10 @@ def main():
         Path(a.json).write_text(json.dumps(run_one(a)))
         return
     names = [n.strip() for n in a.contenders.split(",") if n.strip()]
+    if a.sequential and a.seeds < 2:
+        p.error("--sequential needs --seeds 2 or more: the most seeds it may spend")
+    if a.sequential and not ref_pairs(names):
+        p.error(f"--sequential needs a reference ({' or '.join(REFS)}) and another contender to decide between")
     for n in names:
         if n not in CONTENDERS and not n.startswith("recurrent+"):  # recurrent parts combine: checked when built
             sys.exit(f"unknown contender '{n}': choose from {', '.join(CONTENDERS)}")
@@ -581,11 +612,18 @@ def main():
                 str(j),
             ]
             running.append((n, s, j, subprocess.Popen(cmd, env=env)))
+        if a.sequential:  # look after each seed: stop once every pair is decided
+            while running:
+                reap(True)
+            print(verdict_table(runs, names, a.seeds), flush=True)
+            if s + 1 < a.seeds and all_decided(runs, names, a.seeds):  # at the last seed it ends anyway
+                print(f"every pair decided after {s + 1} of {a.seeds} planned seeds: stopped", flush=True)
+                break
     while running:
         reap(True)
     runs.sort(key=lambda r: (names.index(r["name"]), r["seed"]))
     cmd = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
-    verdicts = verdict_table(runs, names)
+    verdicts = verdict_table(runs, names, a.seeds if a.sequential else 0)
     text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names) + (f"\n\n{verdicts}" if verdicts else "")
     text += "\n\n" + seed_table(runs, names)
     print("\n" + text)
