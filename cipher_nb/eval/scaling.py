@@ -100,7 +100,7 @@ def fit_law(N, D, L) -> Law:
 # %% ../../nbs/12c_eval_scaling.ipynb #c46c15df
 @dataclasses.dataclass
 class ScalingFit:
-    "A fitted law, the laws refitted to bootstrap resamples of its runs, and its relative residuals."
+    "A fitted law, the laws refitted to its bootstrap replicates, and its relative residuals (inflated)."
 
     law: Law
     boots: list
@@ -124,14 +124,13 @@ class ScalingFit:
 
 
 def fit_scaling(N, D, L, boot: int = 100, seed: int = 0) -> ScalingFit:
-    "Fit the law to runs (N parameters, D tokens, held-out loss L) and to `boot` bootstrap resamples of them."
+    "Fit the law to runs (N parameters, D tokens, held-out loss L) and to `boot` residual-bootstrap replicates."
     N, D, L = (np.asarray(v, float) for v in (N, D, L))
-    law, rng, boots = fit_law(N, D, L), np.random.default_rng(seed), []
-    while len(boots) < boot:
-        i = rng.integers(0, len(N), len(N))
-        if len(set(N[i])) >= 2 and len(set(D[i])) >= 2 and len(set(zip(N[i], D[i]))) >= MIN_RUNS:
-            boots.append(fit_law(N[i], D[i], L[i]))
-    return ScalingFit(law, boots, L / law(N, D) - 1)
+    law, rng = fit_law(N, D, L), np.random.default_rng(seed)
+    fitted = law(N, D)
+    residuals = (L / fitted - 1) * np.sqrt(len(L) / (len(L) - len(dataclasses.fields(Law))))
+    boots = [fit_law(N, D, fitted * (1 + rng.choice(residuals, len(L)))) for _ in range(boot)]
+    return ScalingFit(law, boots, residuals)
 
 # %% ../../nbs/12c_eval_scaling.ipynb #7b544aeb
 def crossing(a: Law, b: Law, lo: float, hi: float):
@@ -168,6 +167,7 @@ class Sweep:
     warmup_frac: float = 0.05  # of each run's steps
     max_cpu_hours: float = 1.0  # the estimated cost of the whole sweep must stay under this
     min_steps: int = 20  # a run with fewer steps is refused: its schedule would be all warmup and decay
+    lr_width: float = 0.0  # schedule.lr = lr_width / width, min_lr a tenth of it; 0 = the config's at every width
 
 
 def width_overrides(width: int, n_heads: int) -> list:
@@ -185,6 +185,8 @@ def sweep_runs(sweep: Sweep) -> list:
     runs = []
     for family, width, budget, heldout in plan:
         over = [*sweep.overrides, *sweep.families[family], *width_overrides(width, base.model.attention.n_heads)]
+        if sweep.lr_width:
+            over += [f"schedule.lr={sweep.lr_width / width:.4g}", f"schedule.min_lr={sweep.lr_width / width / 10:.4g}"]
         cfg = load_config(sweep.config, over)
         t = cfg.training
         fpt, per_step = flops_per_token(cfg.model, t.seq_len), t.batch_size * t.seq_len * t.grad_accum
@@ -320,6 +322,7 @@ SMALL_SWEEP = Sweep(
     heldout=(48, 8e9),
     max_cpu_hours=0.1,
     overrides=["training.seq_len=32", "training.batch_size=4", "training.eval_batches=16"],
+    lr_width=0.2,
 )
 FULL_SWEEP = Sweep(
     None,
@@ -327,5 +330,6 @@ FULL_SWEEP = Sweep(
     budgets=[1e11, 3e11, 1e12],
     heldout=(160, 2e12),
     max_cpu_hours=1.0,
-    overrides=["training.seq_len=64", "training.batch_size=8", "training.eval_batches=64"],
+    overrides=["training.seq_len=64", "training.batch_size=8", "training.eval_batches=128"],
+    lr_width=0.2,
 )

@@ -1,0 +1,129 @@
+"""A scaling sweep of the dense and the MoE family of the default model: isoFLOP sets, a fitted law per family with
+bootstrap intervals, a held-out larger configuration predicted before it trains, the compute-optimal frontiers and
+where they cross.
+
+    python benchmarks/scaling.py --sweep full --root runs/scaling --out benchmarks/results/2026-12-02-scaling
+
+The sweeps are `cipher_nb.eval.scaling`'s SMALL_SWEEP and FULL_SWEEP, the ones `examples/04_scaling.ipynb` runs.
+Runs are reused (`run_once`), so an interrupted sweep picks up where it stopped. The held-out runs' predictions are
+written to OUT.json before they train. Writes OUT.json (every run, each law, the predictions), OUT.md and OUT.png.
+"""
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cipher_nb.eval.scaling import (
+    FULL_SWEEP,
+    SMALL_SWEEP,
+    crossing,
+    fit_families,
+    frontier,
+    plot_frontiers,
+    plot_isoflops,
+    run_sweep,
+)
+
+SWEEPS = {"small": SMALL_SWEEP, "full": FULL_SWEEP}
+PARAMS = ("E", "A", "alpha", "B", "beta")
+
+
+def law_rows(fits: dict) -> dict:
+    "Each family's fitted parameters with the 95% bootstrap interval of each."
+    out = {}
+    for family, fit in fits.items():
+        boots = {k: [getattr(b, k) for b in fit.boots] for k in PARAMS}
+        out[family] = {k: [getattr(fit.law, k), *np.quantile(boots[k], [0.025, 0.975]).tolist()] for k in PARAMS}
+        out[family]["residual_rms"] = float(np.sqrt(np.mean(fit.residuals**2)))
+    return out
+
+
+def predictions(fits: dict, sweep) -> list:
+    "The fit's prediction, with its 95% interval, for each family's held-out configuration."
+    from cipher_nb.eval.scaling import sweep_runs
+
+    out = []
+    for r in (r for r in sweep_runs(sweep) if r["heldout"]):
+        pred, lo, hi = fits[r["family"]].predict(r["N"], r["tokens"])
+        out.append(dict(name=r["name"], family=r["family"], N=r["N"], tokens=r["tokens"], pred=pred, lo=lo, hi=hi))
+    return out
+
+
+def report(res: dict) -> str:
+    "The markdown tables of a finished sweep."
+    lines = ["| run | N | steps | tokens | FLOPs | bpb |", "|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        held = " (held out)" if r["heldout"] else ""
+        lines.append(
+            f"| {r['name']}{held} | {r['N']:,.0f} | {r['steps']} | {r['tokens']:,} | {r['flops']:.3g} "
+            f"| {r['bpb']:.4f} |"
+        )
+    lines += ["", "| family | " + " | ".join(PARAMS) + " | residual rms |", "|---" * (len(PARAMS) + 2) + "|"]
+    for family, law in res["laws"].items():
+        cells = [f"{v:.3g} [{lo:.3g}, {hi:.3g}]" for v, lo, hi in (law[k] for k in PARAMS)]
+        lines.append(f"| {family} | " + " | ".join(cells) + f" | {law['residual_rms']:.4f} |")
+    lines += ["", "| held out | predicted bpb [95%] | measured | error | covered |", "|---|---|---|---|---|"]
+    for p in res["predictions"]:
+        err = p["measured"] - p["pred"]
+        covered = "yes" if p["lo"] <= p["measured"] <= p["hi"] else "no"
+        lines.append(
+            f"| {p['name']} | {p['pred']:.4f} [{p['lo']:.4f}, {p['hi']:.4f}] | {p['measured']:.4f} | {err:+.4f} "
+            f"| {covered} |"
+        )
+    lines += ["", "| FLOPs | family | N* [95%] | bpb* [95%] | vs first family |", "|---|---|---|---|---|"]
+    first = {r["C"]: r["L"] for r in res["frontier"] if r["family"] == res["frontier"][0]["family"]}
+    for r in res["frontier"]:
+        lines.append(
+            f"| {r['C']:.3g} | {r['family']} | {r['N']:,.0f} [{r['N_lo_hi'][0]:,.0f}, {r['N_lo_hi'][1]:,.0f}] "
+            f"| {r['L']:.4f} [{r['L_lo_hi'][0]:.4f}, {r['L_lo_hi'][1]:.4f}] | x{r['L'] / first[r['C']]:.4f} |"
+        )
+    cross = res["crossing"]
+    lines += ["", f"Crossing of the frontiers inside the fitted budgets: {f'{cross:.3g} FLOPs' if cross else 'none'}."]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sweep", choices=sorted(SWEEPS), default="small")
+    p.add_argument("--root", default="runs/scaling", help="where the runs go (reused when finished)")
+    p.add_argument("--out", required=True, help="OUT.json, OUT.md and OUT.png are written")
+    p.add_argument("--boot", type=int, default=200, help="bootstrap resamples of each fit")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    sweep, root, out = SWEEPS[a.sweep], Path(a.root) / a.sweep, Path(a.out)
+    t0 = time.process_time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = run_sweep(sweep, root)
+        fits = fit_families(rows, boot=a.boot)
+        res = dict(sweep=a.sweep, runs=rows, laws=law_rows(fits), predictions=predictions(fits, sweep))
+        out.with_suffix(".json").write_text(json.dumps(res, indent=1))  # the predictions, before the held-out runs
+        held = {r["name"]: r for r in run_sweep(sweep, root, heldout=True)}
+    for pr in res["predictions"]:
+        pr["measured"] = held[pr["name"]]["bpb"]
+    budgets = sorted({r["budget"] for r in rows})
+    families = list(fits)
+    res |= dict(
+        runs=rows + list(held.values()),
+        frontier=frontier(fits, budgets + [10 * budgets[-1]]),
+        crossing=crossing(fits[families[0]].law, fits[families[-1]].law, budgets[0], budgets[-1]),
+        cpu_seconds=round(time.process_time() - t0),
+    )
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    out.with_suffix(".md").write_text(report(res) + "\n")
+    fig_iso = plot_isoflops(rows, fits)
+    fig_iso.savefig(out.with_name(out.name + "-isoflops.png"), dpi=110)
+    fig = plot_frontiers(fits, budgets + [10 * budgets[-1]], list(held.values()), res["crossing"])
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    print(report(res))
+    print(f"CPU time of this invocation: {res['cpu_seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
