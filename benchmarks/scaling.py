@@ -24,10 +24,9 @@ from cipher_nb.eval.scaling import (
     crossing,
     fit_families,
     frontier,
-    plot_frontiers,
-    plot_isoflops,
     run_sweep,
 )
+from cipher_nb.viz.plots import plot_frontiers, plot_isoflops
 
 SWEEPS = {"small": SMALL_SWEEP, "full": FULL_SWEEP}
 PARAMS = ("E", "A", "alpha", "B", "beta")

@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_scaling.html.md"""
 # %% auto #0
 __all__ = ['MIN_RUNS', 'EXPONENTS', 'FAMILIES', 'SMALL_SWEEP', 'FULL_SWEEP', 'Law', 'nonneg_lstsq', 'check_runs', 'fit_law',
            'ScalingFit', 'fit_scaling', 'crossing', 'Sweep', 'width_overrides', 'sweep_runs', 'sweep_cost',
-           'check_cost', 'sweep_result', 'run_sweep', 'fit_families', 'frontier', 'plot_isoflops', 'plot_frontiers']
+           'check_cost', 'sweep_result', 'run_sweep', 'fit_families', 'frontier']
 
 # %% ../../nbs/12c_eval_scaling.ipynb #6834b3bd
 import dataclasses
@@ -38,11 +38,12 @@ class Law:
         return self.E + self.A / N**self.alpha + self.B / D**self.beta
 
     def optimal(self, C) -> tuple:
-        "The size and tokens with the lowest loss at compute C = 6 N D, and that loss: (N, D, L)."
-        C = np.asarray(C, float)
-        g = (self.alpha * self.A / (self.beta * self.B)) ** (1 / (self.alpha + self.beta))
-        N = g * (C / 6) ** (self.beta / (self.alpha + self.beta))
-        return N, C / (6 * N), self(N, C / (6 * N))
+        "The size and tokens with the lowest loss at compute C = 6 N D, and that loss: (N, D, L); nan if A or B is 0."
+        C, a, b = np.asarray(C, float), np.float64(self.alpha), np.float64(self.beta)
+        with np.errstate(all="ignore"):  # a law without one of its terms has no finite optimum
+            g = (a * self.A / (b * self.B)) ** (1 / (a + b))
+            N = np.where(self.A > 0 and self.B > 0, g * (C / 6) ** (b / (a + b)), np.nan)
+            return N, C / (6 * N), self(N, C / (6 * N))
 
 # %% ../../nbs/12c_eval_scaling.ipynb #3ebabd86
 def nonneg_lstsq(X, y, w) -> tuple:
@@ -94,7 +95,7 @@ def fit_law(N, D, L) -> Law:
     for _ in range(3):
         a, b, (E, A, B) = _best_exponents(np.log(N), np.log(D), L, alphas, betas)
         da, db = alphas[1] - alphas[0], betas[1] - betas[0]
-        alphas, betas = np.linspace(a - da, a + da, 21), np.linspace(b - db, b + db, 21)
+        alphas, betas = np.linspace(max(a - da, da / 10), a + da, 21), np.linspace(max(b - db, db / 10), b + db, 21)
     return Law(float(E), float(A), float(a), float(B), float(b))
 
 # %% ../../nbs/12c_eval_scaling.ipynb #c46c15df
@@ -117,9 +118,13 @@ class ScalingFit:
         "The compute-optimal size and its loss at compute C, each with its bootstrap `level` interval."
         N, _, L = self.law.optimal(C)
         bN, _, bL = (np.array(v) for v in zip(*(b.optimal(C) for b in self.boots)))
-        q = [(1 - level) / 2, (1 + level) / 2]
+        q = [(1 - level) / 2, (1 + level) / 2]  # nanquantile: a replicate that lost a term has no optimum
         return dict(
-            C=float(C), N=float(N), N_lo_hi=tuple(np.quantile(bN, q)), L=float(L), L_lo_hi=tuple(np.quantile(bL, q))
+            C=float(C),
+            N=float(N),
+            N_lo_hi=tuple(np.nanquantile(bN, q)),
+            L=float(L),
+            L_lo_hi=tuple(np.nanquantile(bL, q)),
         )
 
 
@@ -270,58 +275,14 @@ def frontier(fits: dict, budgets) -> list:
     "Per family and budget: the compute-optimal size and loss, each with its 95% interval."
     return [dict(family=f, **fit.optimal(C)) for f, fit in fits.items() for C in budgets]
 
-# %% ../../nbs/12c_eval_scaling.ipynb #e7429233
-def plot_isoflops(rows: list, fits: dict):
-    "One panel per family: bpb against N for each budget (points), the fitted law along each isoFLOP line, its optimum."
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(fits), figsize=(5 * len(fits), 3.8), sharey=True, squeeze=False)
-    for ax, (family, fit) in zip(axes[0], fits.items()):
-        mine = [r for r in rows if r["family"] == family and not r["heldout"]]
-        for k, C in enumerate(sorted({r["budget"] for r in mine})):
-            pts = sorted((r["N"], r["bpb"]) for r in mine if r["budget"] == C)
-            ns = np.geomspace(pts[0][0] / 1.5, pts[-1][0] * 1.5, 100)
-            ax.plot(ns, fit.law(ns, C / (6 * ns)), color=f"C{k}", lw=1)
-            ax.plot(*zip(*pts), "o", color=f"C{k}", label=f"{C:.0e} FLOPs")
-            n_opt, _, l_opt = fit.law.optimal(C)
-            ax.plot(n_opt, l_opt, "*", color=f"C{k}", ms=12, mec="k")
-        ax.set(xscale="log", xlabel="N (parameters a token computes)", title=f"{family}: isoFLOP profiles")
-        ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("held-out bpb")
-    fig.tight_layout()
-    return fig
-
-
-def plot_frontiers(fits: dict, budgets, heldout_rows=(), cross=None):
-    "Each family's compute-optimal bpb against budget with its 95% band; held-out runs predicted and measured."
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    Cs = np.geomspace(min(budgets), max(budgets), 40)
-    for k, (family, fit) in enumerate(fits.items()):
-        opt = [fit.optimal(C) for C in Cs]
-        ax.plot(Cs, [o["L"] for o in opt], color=f"C{k}", label=f"{family} frontier")
-        ax.fill_between(Cs, *zip(*[o["L_lo_hi"] for o in opt]), color=f"C{k}", alpha=0.2)
-        for r in heldout_rows:
-            if r["family"] == family:
-                pred, lo, hi = fit.predict(r["N"], r["tokens"])
-                ax.errorbar(r["flops"], pred, [[pred - lo], [hi - pred]], fmt="s", color=f"C{k}", mfc="none", capsize=3)
-                ax.plot(r["flops"], r["bpb"], "x", color=f"C{k}", ms=9, label=f"{family} held out: predicted, measured")
-    if cross:
-        ax.axvline(cross, color="gray", ls="--", label=f"crossing {cross:.2g} FLOPs")
-    ax.set(xscale="log", xlabel="training FLOPs", ylabel="held-out bpb", title="compute-optimal frontiers")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
 # %% ../../nbs/12c_eval_scaling.ipynb #d2a29b90
 SMALL_SWEEP = Sweep(
     None,
     widths=[16, 24, 32],
-    budgets=[2e9, 4e9],
-    heldout=(48, 8e9),
+    budgets=[2e10, 5e10],
+    heldout=(48, 1e11),
     max_cpu_hours=0.1,
-    overrides=["training.seq_len=32", "training.batch_size=4", "training.eval_batches=16"],
+    overrides=["training.seq_len=64", "training.batch_size=8", "training.eval_batches=64"],
     lr_width=0.2,
 )
 FULL_SWEEP = Sweep(

@@ -9,7 +9,8 @@ __all__ = ['LOAD_KEY', 'LOOP_TITLES', 'PngFigure', 'load_run', 'expert_load_matr
            'plot_grad_norm', 'plot_throughput', 'load_norm', 'plot_expert_load', 'plot_router_entropy', 'plot_overlap',
            'loop_count', 'plot_loop_series', 'panel_titles', 'training_figure', 'routing_figure', 'loops_figure',
            'load_export', 'final_bp_mode', 'learned_boundaries', 'char_cells', 'plot_boundaries', 'sample_text',
-           'boundary_figure', 'run_figures', 'save_png', 'cipher_plot', 'plot_verdicts', 'plot_ablation']
+           'boundary_figure', 'run_figures', 'save_png', 'cipher_plot', 'plot_verdicts', 'plot_ablation',
+           'plot_isoflops', 'plot_frontiers']
 
 # %% ../../nbs/13_viz_plots.ipynb #343694a1
 import io
@@ -28,7 +29,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, NullFormatter
 
 import cipher_nb.persist.files as ck
 from ..cli import command
@@ -528,4 +529,47 @@ def plot_ablation(runs: dict, keys=("loss", "val/loss"), verdict_key: str = "val
             note_panel(ax, f"no {key} logged")
     if paired:
         plot_verdicts(ablation_verdicts(runs, verdict_key), axes[-1], verdict_key)
+    return fig
+
+# %% ../../nbs/13_viz_plots.ipynb #55dc0b60
+def plot_isoflops(rows: list, fits: dict):
+    "One panel per family: bpb against N for each budget (points), the fitted law along each isoFLOP line, its optimum."
+    fig = PngFigure(figsize=(5 * len(fits), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(fits), sharey=True, squeeze=False)
+    for ax, (family, fit) in zip(axes[0], fits.items()):
+        mine = [r for r in rows if r["family"] == family and not r["heldout"]]
+        for k, C in enumerate(sorted({r["budget"] for r in mine})):
+            pts = sorted((r["N"], r["bpb"]) for r in mine if r["budget"] == C)
+            ns = np.geomspace(pts[0][0] / 1.5, pts[-1][0] * 1.5, 100)
+            ax.plot(ns, fit.law(ns, C / (6 * ns)), color=f"C{k}", lw=1)
+            ax.plot(*zip(*pts), "o", color=f"C{k}", label=f"{C:.0e} FLOPs")
+            n_opt, _, l_opt = fit.law.optimal(C)
+            if ns[0] <= n_opt <= ns[-1]:  # an optimum far outside the widths tried would only squeeze the profiles
+                ax.plot(n_opt, l_opt, "*", color=f"C{k}", ms=12, mec="k")
+        ax.set(xscale="log", xlabel="N (parameters a token computes)", title=f"{family}: isoFLOP profiles")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("held-out bpb")
+    return fig
+
+
+def plot_frontiers(fits: dict, budgets, heldout_rows=(), cross=None):
+    "Each family's compute-optimal bpb against budget with its 95% band; held-out runs predicted and measured."
+    fig = PngFigure(figsize=(6.5, 4), layout="constrained")
+    ax = fig.subplots()
+    Cs = np.geomspace(min(budgets), max(budgets), 40)
+    for k, (family, fit) in enumerate(fits.items()):
+        opt = [fit.optimal(C) for C in Cs]
+        if np.isfinite(opt[0]["L"]):  # a law that lost a term has no frontier to draw
+            ax.plot(Cs, [o["L"] for o in opt], color=f"C{k}", label=f"{family} frontier")
+            ax.fill_between(Cs, *zip(*[o["L_lo_hi"] for o in opt]), color=f"C{k}", alpha=0.2)
+        for r in heldout_rows:
+            if r["family"] == family:
+                pred, lo, hi = fit.predict(r["N"], r["tokens"])
+                ax.errorbar(r["flops"], pred, [[pred - lo], [hi - pred]], fmt="s", color=f"C{k}", mfc="none", capsize=3)
+                ax.plot(r["flops"], r["bpb"], "x", color=f"C{k}", ms=9, label=f"{family} held out: predicted, measured")
+    if cross:
+        ax.axvline(cross, color="gray", ls="--", label=f"crossing {cross:.2g} FLOPs")
+    ax.set(xscale="log", xlabel="training FLOPs", ylabel="held-out bpb", title="compute-optimal frontiers")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap on a range of one or two decades
+    ax.legend(fontsize=8)
     return fig
