@@ -287,7 +287,7 @@ SMALL_SWEEP = Sweep(
 )
 FULL_SWEEP = Sweep(
     None,
-    widths=[32, 48, 64, 96, 128],
+    widths=[16, 24, 32, 48, 64, 96, 128],
     budgets=[1e11, 3e11, 1e12],
     heldout=(160, 2e12),
     max_cpu_hours=1.0,
