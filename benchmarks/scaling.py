@@ -26,6 +26,7 @@ from cipher_nb.eval.scaling import (
     frontier,
     run_sweep,
 )
+from cipher_nb.eval.verdict import paired_verdict, verdict_line
 from cipher_nb.viz.plots import plot_frontiers, plot_isoflops
 
 SWEEPS = {"small": SMALL_SWEEP, "full": FULL_SWEEP}
@@ -51,6 +52,22 @@ def predictions(fits: dict, sweep) -> list:
         pred, lo, hi = fits[r["family"]].predict(r["N"], r["tokens"])
         out.append(dict(name=r["name"], family=r["family"], N=r["N"], tokens=r["tokens"], pred=pred, lo=lo, hi=hi))
     return out
+
+
+def matched(rows: list, a: str = "dense", b: str = "moe") -> tuple:
+    "The table of b - a at each width and budget both families ran, and the paired verdict over those pairs."
+    bpb = {(r["family"], r["width"], r["budget"]): r["bpb"] for r in rows if not r["heldout"]}
+    keys = sorted({(w, c) for f, w, c in bpb if f == a and (b, w, c) in bpb})
+    budgets = sorted({c for _, c in keys})
+    lines = [
+        "| width | " + " | ".join(f"{b} - {a} at {c:.0e}" for c in budgets) + " |",
+        "|---" * (1 + len(budgets)) + "|",
+    ]
+    for w in sorted({w for w, _ in keys}):
+        cells = [f"{bpb[(b, w, c)] - bpb[(a, w, c)]:+.4f}" if (w, c) in keys else "" for c in budgets]
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    v = paired_verdict([bpb[(a, *k)] for k in keys], [bpb[(b, *k)] for k in keys], (a, b))
+    return "\n".join(lines), verdict_line(v).replace("seeds", "matched runs")
 
 
 def report(res: dict) -> str:
@@ -81,6 +98,8 @@ def report(res: dict) -> str:
             f"| {r['C']:.3g} | {r['family']} | {r['N']:,.0f} [{r['N_lo_hi'][0]:,.0f}, {r['N_lo_hi'][1]:,.0f}] "
             f"| {r['L']:.4f} [{r['L_lo_hi'][0]:.4f}, {r['L_lo_hi'][1]:.4f}] | x{r['L'] / first[r['C']]:.4f} |"
         )
+    table, line = matched(res["runs"])
+    lines += ["", table, "", f"Paired over the matched runs (each width and budget once, not seeds): {line}."]
     cross = res["crossing"]
     lines += ["", f"Crossing of the frontiers inside the fitted budgets: {f'{cross:.3g} FLOPs' if cross else 'none'}."]
     return "\n".join(lines)
