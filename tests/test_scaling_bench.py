@@ -1,0 +1,59 @@
+"benchmarks/scaling.py's pure parts: the matched-runs table and its paired verdict, and the report of a finished sweep."
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from cipher_nb.eval.scaling import Law, fit_families, frontier
+
+spec = importlib.util.spec_from_file_location("scaling_bench", Path(__file__).parent.parent / "benchmarks/scaling.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def rows_from(laws: dict, heldout=()) -> list:
+    "Sweep rows drawn from known laws on three isoFLOP budgets x five widths, as run_sweep returns them."
+    out = []
+    for family, law in laws.items():
+        for c in (1e14, 1e15, 1e16):
+            for width, n in zip((16, 24, 32, 48, 64), (1e5, 3e5, 1e6, 3e6, 1e7)):
+                d = c / (6 * n)
+                name = f"{family}/d{width}/C={c:.0e}"
+                out.append(dict(family=family, width=width, budget=c, heldout=False, N=n, tokens=d, flops=c,
+                                steps=1, name=name, bpb=float(law(n, d))))  # fmt: skip
+    return out
+
+
+def test_matched_runs_table_and_verdict_by_hand():
+    rows = [
+        dict(family=f, width=w, budget=c, heldout=False, bpb=v)
+        for f, w, c, v in [
+            ("dense", 16, 1e11, 3.0),
+            ("moe", 16, 1e11, 2.9),
+            ("dense", 32, 1e11, 3.2),
+            ("moe", 32, 1e11, 3.25),
+            ("dense", 32, 3e11, 2.8),
+            ("moe", 32, 3e11, 2.7),
+            ("dense", 16, 3e11, 2.6),
+        ]  # fmt: skip
+    ]
+    table, line = bench.matched(rows)
+    lines = table.splitlines()
+    assert lines[2] == "| 16 | -0.1000 |  |"  # width 16 at 3e11 has no MoE run: an empty cell, no pair
+    assert lines[3] == "| 32 | +0.0500 | -0.1000 |"
+    d = np.array([3.0 - 2.9, 3.2 - 3.25, 2.8 - 2.7])  # dense - moe over the three matched pairs
+    assert f"{d.mean():+.4f}" in line and "over 3 matched runs" in line and "cannot tell" in line
+
+
+def test_report_of_a_sweep_from_known_laws():
+    laws = {"dense": Law(1.2, 40.0, 0.34, 60.0, 0.28), "moe": Law(1.1, 80.0, 0.34, 60.0, 0.28)}
+    rows = rows_from(laws)
+    fits = fit_families(rows, boot=5)
+    held = dict(name="moe/d96/C=1e+17", family="moe", N=3e7, tokens=1e10, flops=1.8e18, pred=2.0, lo=1.9, hi=2.1)
+    res = dict(runs=rows, laws=bench.law_rows(fits), predictions=[{**held, "measured": 2.05}],
+               frontier=frontier(fits, [1e14, 1e16]), crossing=None)  # fmt: skip
+    text = bench.report(res)
+    assert "| moe/d96/C=1e+17 | 2.0000 [1.9000, 2.1000] | 2.0500 | +0.0500 | yes |" in text
+    assert abs(res["laws"]["moe"]["E"][0] - 1.1) < 0.03 and res["laws"]["dense"]["residual_rms"] < 1e-3
+    assert "Crossing of the frontiers inside the fitted budgets: none." in text
