@@ -114,7 +114,7 @@ def test_examples_have_no_setup_cell():
         assert "set_matplotlib_formats" not in Path(p).read_text(), p
 
 
-@pytest.mark.parametrize("name", ["01_pretrain", "02_refinement", "03_sft"])
+@pytest.mark.parametrize("name", ["01_pretrain", "02_refinement", "03_sft", "04_scaling"])
 def test_example_notebook_runs_all_in_a_kernel(name):
     """Each example notebook, Run All in a real kernel with its default switches (the chain's runs are reused when
     `nbdev-test examples` already trained them): no error, every figure a PNG, nothing on stderr but warnings."""
