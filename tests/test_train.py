@@ -270,13 +270,15 @@ def test_early_stopping_ends_the_run_at_its_patience(tmp_path):
     run = tmp_path / "run"
     flat = ["model.moe.n_routed=0", "schedule.lr=1e-30", "schedule.min_lr=0", "data.source=mock"]
     cadence = ["training.eval_every=2", "training.eval_batches=1", "training.early_stop_patience=2"]
-    r = run_in_process(cipher_train, "--out", run, "--quiet", "--max-steps", "40", *TINY, *flat, *cadence)
+    ema = ["optim.ema=0.9"]  # final/ then holds best/'s average, and its meta says so
+    r = run_in_process(cipher_train, "--out", run, "--quiet", "--max-steps", "40", *TINY, *flat, *cadence, *ema)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "early stop at step 6" in r.stderr and "run finished at step 6" in r.stderr, r.stderr[-2000:]
     stop = json.loads((run / "record.json").read_text())["schedule"]["early_stop"]
     assert (stop["step"], stop["best_step"], stop["exported_step"]) == (6, 2, 2), stop
     assert rows(run)[-1]["step"] == 6 and (run / "final/model.safetensors").exists()
-    assert json.loads((run / "final/meta.json").read_text())["step"] == 2  # final/ names the step of its weights
+    meta = json.loads((run / "final/meta.json").read_text())
+    assert meta["step"] == 2 and meta["averaged"] == dict(decay=0.9, updates=2), meta  # the step and kind of weights
 
     # stopped by a signal at step 4 (one evaluation without improvement), then resumed: the count goes on from 1
     cut = tmp_path / "cut"
