@@ -25,6 +25,7 @@ from cipher_nb.eval.scaling import (
     fit_families,
     frontier,
     run_sweep,
+    sweep_runs,
 )
 from cipher_nb.eval.verdict import paired_verdict, verdict_line
 from cipher_nb.viz.plots import plot_frontiers, plot_isoflops
@@ -34,19 +35,13 @@ PARAMS = ("E", "A", "alpha", "B", "beta")
 
 
 def law_rows(fits: dict) -> dict:
-    "Each family's fitted parameters with the 95% bootstrap interval of each."
-    out = {}
-    for family, fit in fits.items():
-        boots = {k: [getattr(b, k) for b in fit.boots] for k in PARAMS}
-        out[family] = {k: [getattr(fit.law, k), *np.quantile(boots[k], [0.025, 0.975]).tolist()] for k in PARAMS}
-        out[family]["residual_rms"] = float(np.sqrt(np.mean(fit.residuals**2)))
-    return out
+    "Each family's fitted parameters with the 95% bootstrap interval of each, and the rms of its residuals."
+    rms = {f: float(np.sqrt(np.mean(fit.residuals**2))) for f, fit in fits.items()}
+    return {f: {k: list(v) for k, v in fit.intervals().items()} | {"residual_rms": rms[f]} for f, fit in fits.items()}
 
 
 def predictions(fits: dict, sweep) -> list:
     "The fit's prediction, with its 95% interval, for each family's held-out configuration."
-    from cipher_nb.eval.scaling import sweep_runs
-
     out = []
     for r in (r for r in sweep_runs(sweep) if r["heldout"]):
         pred, lo, hi = fits[r["family"]].predict(r["N"], r["tokens"])
@@ -118,8 +113,11 @@ def main():
     t0 = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rows = run_sweep(sweep, root)
-        fits = fit_families(rows, boot=a.boot)
+        try:
+            rows = run_sweep(sweep, root)
+            fits = fit_families(rows, boot=a.boot)
+        except ValueError as e:  # over its CPU cap, a budget too small for a width, too few runs to fit: exit 2
+            p.error(str(e))
         res = dict(sweep=a.sweep, runs=rows, laws=law_rows(fits), predictions=predictions(fits, sweep))
         out.with_suffix(".json").write_text(json.dumps(res, indent=1))  # the predictions, before the held-out runs
         held = {r["name"]: r for r in run_sweep(sweep, root, heldout=True)}

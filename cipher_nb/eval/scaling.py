@@ -127,6 +127,15 @@ class ScalingFit:
             L_lo_hi=tuple(np.nanquantile(bL, q)),
         )
 
+    def intervals(self, level: float = 0.95) -> dict:
+        "Each parameter of the law: (fitted value, low, high), the interval over the bootstrap replicates."
+        q = [(1 - level) / 2, (1 + level) / 2]
+        out = {}
+        for k in (f.name for f in dataclasses.fields(Law)):
+            lo, hi = np.quantile([getattr(b, k) for b in self.boots], q)
+            out[k] = (getattr(self.law, k), float(lo), float(hi))
+        return out
+
 
 def fit_scaling(N, D, L, boot: int = 100, seed: int = 0) -> ScalingFit:
     "Fit the law to runs (N parameters, D tokens, held-out loss L) and to `boot` residual-bootstrap replicates."

@@ -89,7 +89,8 @@ class EarlyStopping(Callback):
             # final/'s meta names the weights it holds: best/'s step and tokens, where the run stopped, and whether
             # they are optim.ema's average (best/ keeps the weights that were evaluated)
             trainer.export_meta.update(step=meta["step"], tokens=meta.get("tokens"), stopped_at=self.stopped_at)
-            trainer.export_meta.update({k: meta[k] for k in ("averaged",) if k in meta})
+            if "averaged" in meta:
+                trainer.export_meta["averaged"] = meta["averaged"]
         if trainer.record is not None:
             trainer.record.schedule["early_stop"] = self.summary()
 
