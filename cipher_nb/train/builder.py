@@ -40,9 +40,8 @@ from cipher_nb.config.load import (
     read_preset,
     runbook_warnings,
     save_config,
-    token_budget_steps,
 )
-from ..config.sizing import flops_per_token, param_counts, prepared_tokens
+from ..config.sizing import flops_per_token, param_counts
 from ..core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
 from ..data.codecs import build_codec
 from ..data.curriculum import Curriculum
@@ -66,9 +65,10 @@ from ..persist.record import heldout_size, run_record
 from ..persist.stages import StageHooks, check_init_source, check_resume
 from .early_stop import early_stopping
 from .plan import preflight_plan
+from .schedule import Schedule
 from .sft import SFTHooks
 from .tracking import logger_callbacks
-from .trainer import Schedule, Trainer
+from .trainer import Trainer
 
 # %% ../../nbs/11a_train_builder.ipynb #3519f067
 def codec_description(codec, data: DataConfig) -> dict:
@@ -275,8 +275,7 @@ def build_trainer(
     optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
     average = weight_average(getattr(wrapped, "module", wrapped), cfg.optim)  # optim.ema > 0: fp32, sharded as trained
     # the horizon's one owner: the trainer, its curriculum and the loader's read it
-    bought = token_budget_steps(cfg.training, env.world_size, prepared_tokens(cfg.data))
-    plan = Schedule(cfg.schedule, token_steps=bought)
+    plan = Schedule.for_run(cfg, env.world_size)
     loader, heldout = hooks.data(env.rank, env.world_size, plan)
     if not heldout and env.is_main:
         print(NO_HELDOUT, file=sys.stderr)
