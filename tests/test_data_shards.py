@@ -5,6 +5,11 @@ refused in one line, exit 2, nothing trained."""
 import itertools
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,3 +297,63 @@ def test_shards_prepared_from_a_datasets_stream_hold_every_row(kind, tmp_path):
         got[:3],
     )
     assert codec.vocab_size == m["vocab"]
+
+
+SLOW_PREPARE = """import sys, time
+import cipher_nb.persist.shards as s
+from cipher_nb.cli import run_command
+real = s.encode_shard
+def slow(*a, **k):  # every shard takes a minute: the signal lands while the workers tokenize
+    time.sleep(60)
+    return real(*a, **k)
+s.encode_shard = slow
+raise SystemExit(run_command(s.cipher_data, sys.argv[1:], pos=["preset"]))
+"""
+
+
+def children(pid: int) -> list:
+    "The live (not zombie) processes whose parent is `pid`, from /proc."
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_prepare_ends_its_workers_and_leaves_no_temporary_file(tmp_path, signum):
+    "SIGTERM: exit 0, one line, the workers gone, temporaries removed; SIGKILL: the workers die with it (Linux)."
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / ".main.train.00000.bin.tmp-999999").write_bytes(b"left by a killed prepare")
+    args = ["prepare", *MOCK, "--out", str(out), "--procs", "2", "--shard-mb", "0.02", "--quiet"]
+    p = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while len(children(p.pid)) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    workers = children(p.pid)
+    assert len(workers) >= 2, "the prepare never started its two workers"
+    p.send_signal(signum)
+    err = p.communicate(timeout=60)[1]
+    deadline = time.time() + 20
+    while any(alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [w for w in workers if alive(w)], "a worker outlived its prepare"
+    if signum == signal.SIGTERM:
+        assert p.returncode == 0, err
+        assert err.strip().splitlines() == [
+            f"cipher-data: stopped by SIGTERM: the finished shards in {out} are kept; the same command continues"
+        ]
+        assert list(out.glob(".*.tmp-*")) == []
