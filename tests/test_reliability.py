@@ -433,6 +433,52 @@ EXPORT = [
     Case("cipher-export --force replaces a folder's contents", _export_forced, 0, "written to", _forced, False),
 ]
 
+
+def _files_run_to_resume(tmp) -> Path:
+    "A 4-step run on a files corpus, its final/ removed so that step 2's checkpoint is resumed; the corpus's path."
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("".join(f"line {i:05d}\n" for i in range(4000)))
+    r = in_process(
+        "--out", tmp / "run", "--quiet", "--max-steps", "4", *TINY, "data.source=files", f"data.path={corpus}"
+    )
+    assert r.code == 0, r.err[-2000:]
+    shutil.rmtree(tmp / "run/final")
+    return corpus
+
+
+def _resume_files(tmp, corpus):
+    ckpt = tmp / "run/checkpoints/step_0000002"
+    return in_process(
+        "--out",
+        tmp / "run",
+        "--quiet",
+        "--resume",
+        ckpt,
+        "--max-steps",
+        "4",
+        *TINY,
+        "data.source=files",
+        f"data.path={corpus}",
+    )
+
+
+def _data_replaced(tmp, base):
+    corpus = _files_run_to_resume(tmp)
+    corpus.write_text("".join(f"other {i:05d}\n" for i in range(4000)))  # the same path and size, other bytes
+    return _resume_files(tmp, corpus)
+
+
+def _data_moved(tmp, base):
+    corpus = _files_run_to_resume(tmp)
+    (tmp / "elsewhere").mkdir()
+    return _resume_files(tmp, corpus.rename(tmp / "elsewhere" / corpus.name))  # moved, not renamed
+
+
+CHECKPOINTS += [
+    Case("resume after the data was replaced", _data_replaced, 2, "its data changed since it was saved"),
+    Case("resume after the corpus was moved", _data_moved, 0, "run finished", one_line=False),
+]
+
 # ------------------------------------------------------------------------------------------- overwrite and backups
 
 

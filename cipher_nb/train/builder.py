@@ -217,7 +217,7 @@ def check_start(cfg: Config, source, fingerprint: str, hooks: StageHooks, world_
     if source is not None:
         meta = ck.read_meta(source)
         hooks.check_resume(meta)  # a stage's own, clearer refusals first
-        check_resume(meta, cfg, world_size)
+        check_resume(meta, cfg, world_size, fingerprint)  # the data too: a changed source is another experiment
     if cfg.stage.init:
         check_init_source(cfg.stage.init, cfg.stage, cfg.data, fingerprint, cfg.sft.lora_rank)
     elif cfg.stage.name != "pretrain" and source is None:
