@@ -6,10 +6,10 @@
 #   MAX_RESTARTS=3 launch/supervise.sh cipher-train PRESET --out runs/a --resume auto [section.key=value ...]
 #
 # It follows cipher-train's exit codes: 0 (finished, or stopped cleanly by SIGTERM / SIGINT) ends the supervisor;
-# 1 (the run failed, a full disk included), 3 (out of memory) and a kill by a signal (status 128 + the signal's number)
-# restart it; 2 (a usage or config error, or a run directory another live process is writing: the same command would
-# fail the same way) and any other status end it at once. The
-# supervisor leaves with the last attempt's status. Environment: MAX_RESTARTS (3), RESTART_DELAY (seconds, 0).
+# 1 (the run failed, a full disk included) and a kill by a signal (status 128 + the signal's number) restart it;
+# 2 (a usage or config error, or a run directory another live process is writing) and 3 (out of memory: the same
+# step at the same shapes runs out again) end it at once, as does any other status, since the same command would
+# fail the same way. The supervisor leaves with the last attempt's status. Environment: MAX_RESTARTS (3), RESTART_DELAY (seconds, 0).
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: launch/supervise.sh COMMAND [ARGS...]" >&2; exit 2; }
 MAX_RESTARTS="${MAX_RESTARTS:-3}"; RESTART_DELAY="${RESTART_DELAY:-0}"
@@ -26,7 +26,9 @@ while true; do
   child=""
   case "$rc" in
     0) exit 0 ;;
-    1 | 3) why="exit status $rc" ;;
+    1) why="exit status $rc" ;;
+    3) echo "supervise: out of memory (exit status 3): the same run would run out again; not restarting" >&2
+       exit 3 ;;
     *) if [ "$rc" -gt 128 ]; then why="killed by signal $((rc - 128))"
        else echo "supervise: exit status $rc is not a crash (2: usage or config error): not restarting" >&2
             exit "$rc"; fi ;;
