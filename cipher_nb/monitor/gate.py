@@ -100,14 +100,17 @@ def gate_finite(rows: list, m: MonitorConfig) -> GateLine:
     return GateLine("no skipped step, no NaN or inf in the losses and gradient norm", not bad, fig, reads)
 
 
-def _utilisation(rows: list, layer: int) -> float | None:
-    "The busiest expert's share over the mean, loads averaged over the last quarter (None: no loads logged)."
+def _expert_loads(rows: list, layer: int) -> dict:
+    "Each expert's load over the last quarter, by expert index (empty: no per-expert loads logged)."
     pat = re.compile(rf"router/layer{layer}_load_(\d+)")
     experts = sorted({int(g.group(1)) for r in rows for k in r if (g := pat.fullmatch(k))})
-    if not experts:
-        return None
-    loads = [_tail_mean([v for _, v in _points(rows, f"router/layer{layer}_load_{e}")] or [0.0]) for e in experts]
-    return max(loads) / max(sum(loads) / len(loads), 1e-12)
+    return {e: _tail_mean([v for _, v in _points(rows, f"router/layer{layer}_load_{e}")] or [0.0]) for e in experts}
+
+
+def _utilisation(rows: list, layer: int) -> float | None:
+    "The busiest expert's share over the mean, loads averaged over the last quarter (None: no loads logged)."
+    loads = _expert_loads(rows, layer)
+    return max(loads.values()) / max(sum(loads.values()) / len(loads), 1e-12) if loads else None
 
 
 def gate_load(rows: list, m: MonitorConfig) -> GateLine:
@@ -125,7 +128,9 @@ def gate_load(rows: list, m: MonitorConfig) -> GateLine:
         if util[worst] is None
         else f"loads over the last quarter; per-batch peak {peak[worst]:.2f}x"
     )
-    fig = f"worst layer {worst}: {load[worst]:.2f}x over {len(layers)} layer(s), {how}"
+    busiest = _expert_loads(rows, worst)  # the expert to look at, when per-expert loads are logged
+    which = f", expert {max(busiest, key=busiest.get)}" if busiest else ""
+    fig = f"worst layer {worst}{which}: {load[worst]:.2f}x over {len(layers)} layer(s), {how}"
     reads = "router/layerN_load_E, router/layerN_max_load"
     return GateLine(name, all(v < m.max_load_ratio for v in load.values()), fig, reads)
 
