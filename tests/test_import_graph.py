@@ -127,9 +127,9 @@ def test_the_checker_sees_a_backward_import():
     assert found == [("persist.files", []), ("core", [])], found
 
 
-def test_the_readme_module_table_lists_every_module_in_order():
-    "The README's module map is the dependency order: every module, each with its notebook, top to bottom."
-    section = (ROOT / "README.md").read_text().split("## Modules", 1)[1].split("\n## ", 1)[0]
+def test_the_module_table_lists_every_module_in_order():
+    "MODULES.md's module map (the README links it) is the dependency order: every module, with its notebook, in order."
+    section = (ROOT / "MODULES.md").read_text().split("## Modules", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (\w+) \| ([\w.]+) \|", section, re.M)
     listed = [(nb, mod) for nb, mod in rows if nb != "notebook"]
     assert listed == sorted((nb.removesuffix(".ipynb"), m) for m, nb in MODULES.items()), listed
