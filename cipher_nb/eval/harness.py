@@ -12,7 +12,6 @@ __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuation
 
 # %% ../../nbs/12_eval_harness.ipynb #d7db4f55
 import json
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,11 +25,11 @@ import cipher_nb.persist.files as ck
 from ..cli import command, refuse
 from ..config.load import ConfigError, config_from_dict
 from ..core import resolve_device
-from ..data.codecs import ByteCodec, build_codec
+from ..data.codecs import build_codec
 from ..data.sources import DataError, source_documents
 from ..model.attention import CacheMiss
 from ..model.boundary import check_bp_mode
-from ..model.lm import CipherModel, ModelOutput, cache_blocker
+from ..model.lm import CipherModel, cache_blocker
 from ..monitor.gate import gate_run
 from ..monitor.metrics import heldout_metrics
 from ..persist.checkpointer import load_weights

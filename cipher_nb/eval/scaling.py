@@ -21,6 +21,10 @@ from ..config.load import ConfigError, load_config
 from ..config.sizing import flops_per_token
 from .experiments import final_figures, run_once, step_costs
 from ..monitor.gate import read_metrics
+from ..moved import old_getattr
+
+# %% ../../nbs/12c_eval_scaling.ipynb #5e7c8d01
+__getattr__ = old_getattr(__name__)
 
 # %% ../../nbs/12c_eval_scaling.ipynb #6a803df8
 @dataclasses.dataclass(frozen=True)

@@ -46,24 +46,15 @@ from cipher_nb.config.load import (
 )
 from ..data.codecs import ByteCodec
 from ..data.curriculum import Curriculum
-from ..eval.experiments import ablation_grid as ablation_grid
-from ..eval.experiments import ablation_table as ablation_table
-from ..eval.experiments import ablation_verdicts as ablation_verdicts
-from ..eval.experiments import cipher_train_script as cipher_train_script
-from ..eval.experiments import final_figures as final_figures
-from ..eval.experiments import finished_run as finished_run
-from ..eval.experiments import is_number, metric, moe_layers
-from ..eval.experiments import require_finished as require_finished
-from ..eval.experiments import run_ablation as run_ablation
-from ..eval.experiments import run_once as run_once
-from ..eval.experiments import run_request as run_request
-from ..eval.experiments import run_stage as run_stage
-from ..eval.experiments import train_command as train_command
-from ..eval.experiments import variant_name as variant_name
+from ..eval.experiments import ablation_verdicts, is_number, metric, moe_layers
 from ..model.lm import CipherModel
 from ..monitor.gate import read_metrics
+from ..moved import old_getattr
 from ..optim.optimizers import lr_at
 from ..persist.checkpointer import load_weights
+
+# %% ../../nbs/13_viz_plots.ipynb #c44ab410
+__getattr__ = old_getattr(__name__)
 
 # %% ../../nbs/13_viz_plots.ipynb #1ce8bd83
 class PngFigure(Figure):
