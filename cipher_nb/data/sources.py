@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import get_args
 
 import numpy as np
-from fastcore.basics import patch
 
 from ..config.load import Config, ConfigError, DataConfig, Source
 from ..core import dist_env
@@ -286,15 +285,18 @@ class ListStream:
         self._order = None
 
     def _epoch_order(self) -> np.ndarray:
+        "This reader's documents of the epoch: a fresh permutation of the training split, the held-out split in order."
         if self.split == "heldout":
             return self.pool[self.g :: self.n]
         perm = np.random.default_rng(seed_of(self.seed, self.spec.name, self.st["epoch"])).permutation(self.pool)
         return perm[self.g :: self.n]
 
     def state(self) -> dict:
+        "The position: epoch, index in its order, empty documents skipped, documents handed out."
         return dict(self.st)
 
     def restore(self, st: dict):
+        "Continue from a `state()`."
         self.st, self._order = {"seen": 1, **st}, None  # a state saved before `seen` existed had seen some
 
     def _doc(self, k: int) -> tuple:
@@ -306,57 +308,56 @@ class ListStream:
         a, b = _span(len(item), self.split, self.tail)
         return (item if b - a == len(item) else item[a:b]), b - a
 
-# %% ../../nbs/02_data_sources.ipynb #1d145e7b
-@patch
-def next_doc(self: ListStream):
-    "The next non-empty document of the epoch orders (`_epoch_order`, `_doc`), or None when a finite split is used up."
-    while True:
-        if self._order is None:
-            self._order = self._epoch_order()
-        if self.st["i"] >= len(self._order):
-            if self.split == "heldout" or (self.epochs is not None and self.st["epoch"] + 1 >= self.epochs):
-                return None
-            if not self.st["seen"]:  # a whole epoch without a byte: another would be the same
-                raise DataError(
-                    self.why_empty()
-                    or f"source {self.spec.name!r}: reader {self.g} of {self.n} gets no training document "
-                    f"({len(self.pool)} in all): use fewer ranks x data.num_workers, or more data"
-                )
-            self.st.update(epoch=self.st["epoch"] + 1, i=0, seen=0)
-            self._order = None
-            continue
-        doc, size = self._doc(int(self._order[self.st["i"]]))
-        self.st["i"] += 1
-        if not size:
-            self.st["empty"] += 1
-            continue
-        self.st["seen"] += 1
-        return doc
+    def next_doc(self):
+        "The next non-empty document in the epochs' orders, or None when a finite split is used up."
+        while True:
+            if self._order is None:
+                self._order = self._epoch_order()
+            if self.st["i"] >= len(self._order):
+                if self.split == "heldout" or (self.epochs is not None and self.st["epoch"] + 1 >= self.epochs):
+                    return None
+                if not self.st["seen"]:  # a whole epoch without a byte: another would be the same
+                    raise DataError(
+                        self.why_empty()
+                        or f"source {self.spec.name!r}: reader {self.g} of {self.n} gets no training document "
+                        f"({len(self.pool)} in all): use fewer ranks x data.num_workers, or more data"
+                    )
+                self.st.update(epoch=self.st["epoch"] + 1, i=0, seen=0)
+                self._order = None
+                continue
+            doc, size = self._doc(int(self._order[self.st["i"]]))
+            self.st["i"] += 1
+            if not size:
+                self.st["empty"] += 1
+                continue
+            self.st["seen"] += 1
+            return doc
 
-
-@patch
-def why_empty(self: ListStream, where: str = "path") -> str:
-    "Why this split holds no byte ('' when it holds some); `where` is the config key of the source's path."
-    if self.parts is not None:
-        sizes, whole = self.parts[2][self.pool] - self.parts[1][self.pool], self.file_sizes
-    else:
-        sizes, whole = [self._doc(int(k))[1] for k in self.pool], [len(d) for d in self.items]
-    if (np.asarray(sizes) > 0).any():
-        return ""
-    what = f"source {self.spec.name!r}: " + (f"{where} = '{self.spec.path}'" if self.spec.path else self.spec.source)
-    n, longest = len(whole), max(whole, default=0)
-    if not longest:
-        return f"{what} has nothing to train on: " + ("its file is" if n == 1 else f"all {n} files are") + " empty"
-    if self.tail and longest <= self.tail:
-        return (
-            f"{what} has nothing to train on: data.heldout_tail_bytes = {self.tail} holds out all of every file "
-            f"(the longest has {longest} bytes): set data.heldout_tail_bytes below that"
+    def why_empty(self, where: str = "path") -> str:
+        "Why this split holds no byte ('' when it holds some); `where` is the config key of the source's path."
+        if self.parts is not None:
+            sizes, whole = self.parts[2][self.pool] - self.parts[1][self.pool], self.file_sizes
+        else:
+            sizes, whole = [self._doc(int(k))[1] for k in self.pool], [len(d) for d in self.items]
+        if (np.asarray(sizes) > 0).any():
+            return ""
+        what = f"source {self.spec.name!r}: " + (
+            f"{where} = '{self.spec.path}'" if self.spec.path else self.spec.source
         )
-    return (
-        f"{what} has nothing to train on: data.heldout_frac = {self.frac} holds out every non-empty file (a file is "
-        "held out whole, by a hash of its start): lower data.heldout_frac, or hold out each file's end with "
-        "data.heldout_tail_bytes"
-    )
+        n, longest = len(whole), max(whole, default=0)
+        if not longest:
+            return f"{what} has nothing to train on: " + ("its file is" if n == 1 else f"all {n} files are") + " empty"
+        if self.tail and longest <= self.tail:
+            return (
+                f"{what} has nothing to train on: data.heldout_tail_bytes = {self.tail} holds out all of every file "
+                f"(the longest has {longest} bytes): set data.heldout_tail_bytes below that"
+            )
+        return (
+            f"{what} has nothing to train on: data.heldout_frac = {self.frac} holds out every non-empty file "
+            "(a file is held out whole, by a hash of its start): lower data.heldout_frac, or hold out each file's "
+            "end with "
+            "data.heldout_tail_bytes"
+        )
 
 # %% ../../nbs/02_data_sources.ipynb #efb7e3ca
 HF_ROWS = 256  # rows fetched from a datasets stream at a time
