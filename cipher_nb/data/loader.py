@@ -18,6 +18,7 @@ import torch
 from ..config.load import ConfigError, DataConfig, TrainConfig
 from ..core import dist_env
 from .codecs import ByteCodec, build_codec
+from .documents import PIECE_BYTES, doc_size, iter_pieces
 from cipher_nb.data.shards import (
     ReplayPlan,
     ShardStream,
@@ -27,13 +28,10 @@ from cipher_nb.data.shards import (
     verify_shards,
 )
 from cipher_nb.data.sources import (
-    PIECE_BYTES,
     DataError,
     HFStream,
     check_trainable,
     data_manifest,
-    doc_size,
-    iter_pieces,
     open_stream,
     prepare_sources,
     seed_of,
@@ -147,7 +145,7 @@ class ShuffledStream:
         st["slots"].pop()
         return doc
 
-# %% ../../nbs/02b_data_loader.ipynb #acae54e37e7d407bbb7b55eff062a284
+# %% ../../nbs/02b_data_loader.ipynb #acae54e3
 def shuffled(stream, size: int, seed: int, name: str, g: int):
     "A `datasets` stream behind a `ShuffledStream` of `size` documents; file lists (already shuffled) as they are."
     return ShuffledStream(stream, size, seed, name, g) if size and isinstance(stream, HFStream) else stream
@@ -177,7 +175,7 @@ def _uniform(names):
 def _NO_MIX(step):
     return {}  # no curriculum: every source equally likely
 
-# %% ../../nbs/02b_data_loader.ipynb #8edb47106e1a46a883d545849b8ab81b
+# %% ../../nbs/02b_data_loader.ipynb #8edb4710
 class Packer:
     "Documents from named sources packed into [B, T+1] windows for one reader; `state()` / `restore()` resume exactly."
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import PIECE_BYTES, DataError, ListStream, SourceSpec, iter_pieces, seed_of
+from .documents import PIECE_BYTES, iter_pieces
+from .sources import DataError, ListStream, SourceSpec, seed_of
 
 # %% ../../nbs/02ab_data_shards.ipynb #ae7ae1b1
 MANIFEST = "manifest.json"

@@ -108,7 +108,7 @@ def checkpoint_group():
 
     return dist.new_group(backend="gloo")
 
-# %% ../../nbs/09a_persist_checkpointer.ipynb #9a63283cbaf04dbcab1f6479b197f3a8
+# %% ../../nbs/09a_persist_checkpointer.ipynb #9a63283c
 class Staged:
     "DCP's async stager for a state already copied to host memory: `async_save` writes it as it is."
 
@@ -126,7 +126,7 @@ class Staged:
         "No buffers to release."
         pass
 
-# %% ../../nbs/09a_persist_checkpointer.ipynb #72eea5119410473aa328ad9291626812
+# %% ../../nbs/09a_persist_checkpointer.ipynb #72eea511
 def stage_shards(flat: dict, writer) -> dict:
     "A host copy of `flat`: tensor-subclass entries (torchao's 8-bit state) by `host_subclass`, the rest by `writer`."
     subclass = {k for k, t in flat.items() if is_subclass_state(t)}
