@@ -15,7 +15,7 @@ if [ "$before" != "$(snap)" ]; then
 fi
 python tools/readme.py --check
 # the limits of tools/code_shape.py that hold (`--check` alone: all of them); the others join as they are met
-python tools/code_shape.py --check "${SHAPE_CHECKS:-readme,numbers,tested}"
+python tools/code_shape.py --check "${SHAPE_CHECKS:-readme,numbers,tested,onebody,modules}"
 
 echo "== ruff"
 ruff check .

@@ -172,6 +172,80 @@ def shared(ex: list) -> list:
 
 
 # name -> the offenders of one limit, as lines that name them (none: it holds). A new check is one more entry.
+def _class_names(node) -> set:
+    "The class names an annotation or a `patch_to` argument names: `Cls`, `A | B`, `Union[A, B]`, `(A, B)`, 'Cls'."
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, ast.Attribute):
+        return {node.attr}
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        try:
+            return _class_names(ast.parse(node.value, mode="eval").body)
+        except SyntaxError:
+            return set()
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _class_names(node.left) | _class_names(node.right)
+    if isinstance(node, ast.Tuple | ast.List):
+        return set().union(*map(_class_names, node.elts))
+    if isinstance(node, ast.Subscript):  # Union[A, B], Optional[A]
+        return _class_names(node.slice)
+    return set()
+
+
+def _patched_classes(fn) -> set:
+    "The classes a `@patch` / `@patch(as_prop=True)` / `@patch_to(Cls)` function is attached to (empty: not a patch)."
+    out = set()
+    for dec in fn.decorator_list:
+        call = dec if isinstance(dec, ast.Call) else None
+        target = call.func if call else dec
+        name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", None)
+        if name == "patch":
+            args = [*fn.args.posonlyargs, *fn.args.args]
+            out |= _class_names(args[0].annotation) if args and args[0].annotation else set()
+        elif name == "patch_to" and call and call.args:
+            out |= _class_names(call.args[0])
+    return out
+
+
+def _module_statements(body: list):
+    "The statements run at module level: the body, and inside top-level `if` / `try` / `with` blocks."
+    for node in body:
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(node, field, None)
+            if isinstance(node, ast.If | ast.Try | ast.With) and isinstance(inner, list):
+                yield from _module_statements(inner)
+
+
+def same_module_patches(src: str, module: str = "<string>") -> list:
+    "(module, class, method) for each method attached in `src` to a class `src` itself defines, after its definition."
+    defined, out = set(), []
+    for node in _module_statements(ast.parse(src).body):
+        if isinstance(node, ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            out += [(module, cls, node.name) for cls in sorted(_patched_classes(node) & defined)]
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in defined:
+                    out.append((module, t.value.id, t.attr))
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):  # setattr(Cls, "name", fn)
+            c = node.value
+            if getattr(c.func, "id", None) == "setattr" and len(c.args) == 3 and isinstance(c.args[0], ast.Name):
+                if c.args[0].id in defined and isinstance(c.args[1], ast.Constant):
+                    out.append((module, c.args[0].id, c.args[1].value))
+    return out
+
+
+def package_patches() -> list:
+    "`same_module_patches` over every module of the package: empty when every class is defined in one body."
+    return [
+        hit
+        for py in sorted((ROOT / "cipher_nb").rglob("*.py"))
+        for hit in same_module_patches(py.read_text(), py.relative_to(ROOT).as_posix())
+    ]
+
+
 CHECKS = {
     "readme": over_readme,
     "modules": over_modules,
@@ -181,6 +255,9 @@ CHECKS = {
     "tested": under_tested,
     "imports": only_test_imports,
     "numbers": shared,
+    "onebody": lambda ex: [
+        f"{m}: {c}.{f} is attached after its class, in its own module" for m, c, f in package_patches()
+    ],
 }
 
 
@@ -210,6 +287,8 @@ def report(ex: list):
     print(
         "largest functions: " + ", ".join(f"{m}.{n} ({k} lines)" for m, n, k, _ in sorted(fn, key=lambda f: -f[2])[:5])
     )
+    patched = package_patches()
+    print(f"methods attached to a class in its own module: {len(patched)} in {len({p[0] for p in patched})} modules")
 
 
 def check(names: list, ex: list) -> int:

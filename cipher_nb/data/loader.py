@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_loader.html.md"""
 
 # %% auto #0
 __all__ = ['WORKER_BLOCK', 'shuffle_buffer', 'ShuffledStream', 'shuffled', 'open_source', 'verify_prepared', 'Packer', 'planned',
-           'plan_state', 'PlanReader', 'Loader', 'reader_batches', 'mixture_loader', 'documents_in']
+           'plan_state', 'PlanReader', 'reader_batches', 'Loader', 'mixture_loader', 'documents_in']
 
 # %% ../../nbs/02b_data_loader.ipynb #c959ff52
 import functools
@@ -14,11 +14,11 @@ import json
 
 import numpy as np
 import torch
-from fastcore.basics import patch
 
 from ..config.load import ConfigError, DataConfig, TrainConfig
 from ..core import dist_env
 from .codecs import ByteCodec, build_codec
+from .documents import PIECE_BYTES, doc_size, iter_pieces
 from cipher_nb.data.shards import (
     ReplayPlan,
     ShardStream,
@@ -28,13 +28,10 @@ from cipher_nb.data.shards import (
     verify_shards,
 )
 from cipher_nb.data.sources import (
-    PIECE_BYTES,
     DataError,
     HFStream,
     check_trainable,
     data_manifest,
-    doc_size,
-    iter_pieces,
     open_stream,
     prepare_sources,
     seed_of,
@@ -55,7 +52,7 @@ def _same(a: dict, b: dict) -> bool:
     a, b = ({k: v for k, v in s.items() if k != "snap"} for s in (a, b))
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # a restored state holds lists for tuples
 
-
+# %% ../../nbs/02b_data_loader.ipynb #3ea54b98
 class ShuffledStream:
     "A stream read through a buffer of `size` documents, one drawn at random per call; its state rebuilds the buffer."
 
@@ -106,53 +103,49 @@ class ShuffledStream:
         ):
             raise changed
 
-# %% ../../nbs/02b_data_loader.ipynb #3ea54b98
-@patch
-def _pull(self: ShuffledStream):
-    "The inner stream's next document of the buffer's epoch, or None at the end of the epoch (or of the split)."
-    st, pre = self.st, self.inner.state()
-    if st["pulled"] % self.size == 0:
-        oldest, a = min(st["slots"], default=st["pulled"]), st["anchors"]
-        while len(a) > 1 and a[1][0] <= oldest:  # keep only the last anchor at or before the oldest document
-            a.pop(0)
-        a.append([st["pulled"], pre])
-    doc = self.inner.next_doc()
-    epoch = self.inner.state()["epoch"]
-    if doc is None:
-        return None  # the split's end
-    if st["pulled"] and epoch != st["epoch"]:
-        self.inner.restore(pre)  # the next epoch's first row: read again once this epoch's buffer is empty
-        return None
-    st["epoch"] = epoch
-    st["pulled"] += 1
-    return doc
+    def _pull(self):
+        "The inner stream's next document of the buffer's epoch, or None at the end of the epoch (or of the split)."
+        st, pre = self.st, self.inner.state()
+        if st["pulled"] % self.size == 0:
+            oldest, a = min(st["slots"], default=st["pulled"]), st["anchors"]
+            while len(a) > 1 and a[1][0] <= oldest:  # keep only the last anchor at or before the oldest document
+                a.pop(0)
+            a.append([st["pulled"], pre])
+        doc = self.inner.next_doc()
+        epoch = self.inner.state()["epoch"]
+        if doc is None:
+            return None  # the split's end
+        if st["pulled"] and epoch != st["epoch"]:
+            self.inner.restore(pre)  # the next epoch's first row: read again once this epoch's buffer is empty
+            return None
+        st["epoch"] = epoch
+        st["pulled"] += 1
+        return doc
 
+    def next_doc(self):
+        "The next document: drawn from the buffer filled to `size` + 1, fixed by (seed, source, reader, epoch, count)."
+        while True:
+            st = self.st
+            while not st["drain"] and len(self.buf) <= self.size:
+                if (doc := self._pull()) is None:
+                    st["drain"] = True  # the epoch is read: hand out what the buffer holds
+                else:
+                    self.buf.append(doc)
+                    st["slots"].append(st["pulled"] - 1)
+            if self.buf:
+                break
+            if st["pulled"] == 0:
+                return None  # a finite split is used up
+            self._reset()
+        k = seed_of(*self.key, st["epoch"], st["out"]) % len(self.buf)
+        st["out"] += 1
+        doc = self.buf[k]
+        self.buf[k], st["slots"][k] = self.buf[-1], st["slots"][-1]
+        self.buf.pop()
+        st["slots"].pop()
+        return doc
 
-@patch
-def next_doc(self: ShuffledStream):
-    "The next document: drawn from the buffer filled to `size` + 1, fixed by (seed, source, reader, epoch, count)."
-    while True:
-        st = self.st
-        while not st["drain"] and len(self.buf) <= self.size:
-            if (doc := self._pull()) is None:
-                st["drain"] = True  # the epoch is read: hand out what the buffer holds
-            else:
-                self.buf.append(doc)
-                st["slots"].append(st["pulled"] - 1)
-        if self.buf:
-            break
-        if st["pulled"] == 0:
-            return None  # a finite split is used up
-        self._reset()
-    k = seed_of(*self.key, st["epoch"], st["out"]) % len(self.buf)
-    st["out"] += 1
-    doc = self.buf[k]
-    self.buf[k], st["slots"][k] = self.buf[-1], st["slots"][-1]
-    self.buf.pop()
-    st["slots"].pop()
-    return doc
-
-
+# %% ../../nbs/02b_data_loader.ipynb #acae54e3
 def shuffled(stream, size: int, seed: int, name: str, g: int):
     "A `datasets` stream behind a `ShuffledStream` of `size` documents; file lists (already shuffled) as they are."
     return ShuffledStream(stream, size, seed, name, g) if size and isinstance(stream, HFStream) else stream
@@ -182,7 +175,7 @@ def _uniform(names):
 def _NO_MIX(step):
     return {}  # no curriculum: every source equally likely
 
-
+# %% ../../nbs/02b_data_loader.ipynb #8edb4710
 class Packer:
     "Documents from named sources packed into [B, T+1] windows for one reader; `state()` / `restore()` resume exactly."
 
@@ -228,152 +221,142 @@ class Packer:
         N = self.B * self.T + 1
         self._buf, self._ser = np.empty(N, np.int64), np.empty(N, np.int64)  # ids and document serial numbers
 
-# %% ../../nbs/02b_data_loader.ipynb #38de4c26
-@patch
-def _doc_pieces(self: Packer, doc, skip: int = 0):
-    "The ids of one document, BOS + bytes (cut at max_bytes) + EOS, a piece at a time, less the first `skip` ids."
-    if isinstance(doc, np.ndarray):  # a prepared document: its ids, encoded and cut when it was prepared
-        yield doc[skip:]
-        return
-    if isinstance(doc, (bytes, bytearray)):
-        data = doc[: self.max_bytes] if self.max_bytes else doc
-        chunks = (
-            [data]
-            if len(data) <= PIECE_BYTES
-            else [data[k : k + PIECE_BYTES] for k in range(0, len(data), PIECE_BYTES)]
-        )
-    else:
-        chunks = iter_pieces(doc, self.max_bytes, PIECE_BYTES)
-    prev, first = None, True
+    def _doc_pieces(self, doc, skip: int = 0):
+        "The ids of one document, BOS + bytes (cut at max_bytes) + EOS, a piece at a time, less the first `skip` ids."
+        if isinstance(doc, np.ndarray):  # a prepared document: its ids, encoded and cut when it was prepared
+            yield doc[skip:]
+            return
+        if isinstance(doc, (bytes, bytearray)):
+            data = doc[: self.max_bytes] if self.max_bytes else doc
+            chunks = (
+                [data]
+                if len(data) <= PIECE_BYTES
+                else [data[k : k + PIECE_BYTES] for k in range(0, len(data), PIECE_BYTES)]
+            )
+        else:
+            chunks = iter_pieces(doc, self.max_bytes, PIECE_BYTES)
+        prev, first = None, True
 
-    def pieces():
-        nonlocal prev, first
-        for c in chunks:  # one piece of look-ahead: the last piece carries the EOS
-            if prev is not None:
-                yield self.codec.encode_doc(prev, bos=first, eos=False)
-                first = False
-            prev = c
-        yield self.codec.encode_doc(prev or b"", bos=first, eos=True)
+        def pieces():
+            nonlocal prev, first
+            for c in chunks:  # one piece of look-ahead: the last piece carries the EOS
+                if prev is not None:
+                    yield self.codec.encode_doc(prev, bos=first, eos=False)
+                    first = False
+                prev = c
+            yield self.codec.encode_doc(prev or b"", bos=first, eos=True)
 
-    for p in pieces():
-        if skip >= len(p):
-            skip -= len(p)
-            continue
-        yield p[skip:] if skip else p
-        skip = 0
+        for p in pieces():
+            if skip >= len(p):
+                skip -= len(p)
+                continue
+            yield p[skip:] if skip else p
+            skip = 0
 
-# %% ../../nbs/02b_data_loader.ipynb #6f1709f3
-@patch
-def _choose(self: Packer, step: int):
-    "The source of the next document: a draw from the step's mixture, fixed by (seed, reader, document number)."
-    if len(self.names) == 1 and self.split != "heldout" and self.mix is _NO_MIX:
-        return None if self.st["done"] else self.names[0]
-    live = [n for n in self.names if n not in self.st["done"]]
-    w = self.mix(step) if self.split != "heldout" and self.mix is not _NO_MIX else _uniform(self.names)
-    w = np.array([max(float(w.get(n, 0.0)), 0.0) for n in live])
-    if not len(live) or w.sum() <= 0:
-        return None
-    if (w > 0).sum() == 1:
-        return live[int(np.argmax(w))]
-    u = seed_of(self.seed, self.g, self.st["docs"]) / 2**64
-    return live[min(int(np.searchsorted(np.cumsum(w) / w.sum(), u, side="right")), len(live) - 1)]
-
-
-@patch
-def _next_piece(self: Packer, step: int):
-    "The next piece of ids, starting the next document when the current one is done; None at a finite split's end."
-    while True:
-        if self._pieces is not None:
-            p = next(self._pieces, None)
-            if p is not None:
-                return p
-            self._pieces, self.st["cur"] = None, None
-        name = self._choose(step)
-        if name is None:
+    def _choose(self, step: int):
+        "The source of the next document: a draw from the step's mixture, fixed by (seed, reader, document number)."
+        if len(self.names) == 1 and self.split != "heldout" and self.mix is _NO_MIX:
+            return None if self.st["done"] else self.names[0]
+        live = [n for n in self.names if n not in self.st["done"]]
+        w = self.mix(step) if self.split != "heldout" and self.mix is not _NO_MIX else _uniform(self.names)
+        w = np.array([max(float(w.get(n, 0.0)), 0.0) for n in live])
+        if not len(live) or w.sum() <= 0:
             return None
-        s = self.streams[name]
-        pos = s.state()
-        doc = s.next_doc()
-        if doc is None:
-            self.st["done"].append(name)
-            continue
-        self.st["docs"] += 1
-        self.st["serial"] += 1
-        self.st["counts"][name] += 1
-        if self.max_bytes and not isinstance(doc, np.ndarray) and doc_size(doc) > self.max_bytes:
-            self.st["truncated"] += 1
-        self.st["cur"] = dict(source=name, pos=pos, off=0)
-        self._pieces = self._doc_pieces(doc)
+        if (w > 0).sum() == 1:
+            return live[int(np.argmax(w))]
+        u = seed_of(self.seed, self.g, self.st["docs"]) / 2**64
+        return live[min(int(np.searchsorted(np.cumsum(w) / w.sum(), u, side="right")), len(live) - 1)]
 
-# %% ../../nbs/02b_data_loader.ipynb #d53d7cc6
-@patch
-def next_batch(self: Packer):
-    "The next batch dict (numpy arrays), or None when a finite split is used up."
-    N, buf, ser = len(self._buf), self._buf, self._ser
-    i, G = self.st["batches"], self.block
-    step = ((i // G * self.n_workers + self.worker) * G + i % G) // self.grad_accum  # this batch's optimizer step
-    pos = 0
-    if self.st["carry"] is not None:
-        buf[0], ser[0] = self.st["carry"]
-        pos = 1
-    while pos < N:
-        if self._piece is None or self._poff >= len(self._piece):
-            self._piece, self._poff = self._next_piece(step), 0
+    def _next_piece(self, step: int):
+        "The next piece of ids, starting the next document when the current one is done; None at a finite split's end."
+        while True:
+            if self._pieces is not None:
+                p = next(self._pieces, None)
+                if p is not None:
+                    return p
+                self._pieces, self.st["cur"] = None, None
+            name = self._choose(step)
+            if name is None:
+                return None
+            s = self.streams[name]
+            pos = s.state()
+            doc = s.next_doc()
+            if doc is None:
+                self.st["done"].append(name)
+                continue
+            self.st["docs"] += 1
+            self.st["serial"] += 1
+            self.st["counts"][name] += 1
+            if self.max_bytes and not isinstance(doc, np.ndarray) and doc_size(doc) > self.max_bytes:
+                self.st["truncated"] += 1
+            self.st["cur"] = dict(source=name, pos=pos, off=0)
+            self._pieces = self._doc_pieces(doc)
+
+    def next_batch(self):
+        "The next batch dict (numpy arrays), or None when a finite split is used up."
+        N, buf, ser = len(self._buf), self._buf, self._ser
+        i, G = self.st["batches"], self.block
+        step = ((i // G * self.n_workers + self.worker) * G + i % G) // self.grad_accum  # this batch's optimizer step
+        pos = 0
+        if self.st["carry"] is not None:
+            buf[0], ser[0] = self.st["carry"]
+            pos = 1
+        while pos < N:
+            if self._piece is None or self._poff >= len(self._piece):
+                self._piece, self._poff = self._next_piece(step), 0
+                if self._piece is None:
+                    break
+            k = min(N - pos, len(self._piece) - self._poff)
+            buf[pos : pos + k] = self._piece[self._poff : self._poff + k]
+            ser[pos : pos + k] = self.st["serial"]
+            pos += k
+            self._poff += k
+            self.st["cur"]["off"] += k
+        if pos <= (self.st["carry"] is not None):
+            return None  # nothing new: the split is used up
+        rows = self.B
+        if pos < N:  # the last batch of a finite split
+            buf[pos:], ser[pos:] = self.codec.pad, self.st["serial"] + 1
+            rows = -(-(pos - 1) // self.T)
+        self.st["carry"] = (int(buf[N - 1]), int(ser[N - 1])) if pos == N else None
+        self.st["batches"] += 1
+        n = rows * self.T  # windows overlap by one id, so inputs and labels are two shifted reshapes of the buffer
+        labels = buf[1 : n + 1].reshape(rows, self.T).copy()
+        if pos < N:
+            labels[labels == self.codec.pad] = -100  # documents never hold PAD (see the codecs), only the padding does
+        out = dict(input_ids=buf[:n].reshape(rows, self.T).copy(), labels=labels)
+        if self.doc_mask:
+            d = ser[:n].reshape(rows, self.T)
+            out["doc_ids"] = d - d[:, :1]
+        return out
+
+    def state(self) -> dict:
+        "Where this reader stands: batches made, the partly read document, each source's position, counts."
+        st = {
+            k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v) for k, v in self.st.items()
+        }
+        st["sources"] = {n: s.state() for n, s in self.streams.items()}
+        return st
+
+    def restore(self, st: dict):
+        "Continue exactly where `state` was taken."
+        st = {k: v for k, v in st.items()}
+        for n, s in self.streams.items():
+            s.restore(st["sources"][n])
+        self.st = {k: v for k, v in st.items() if k != "sources"}
+        self.st["carry"] = tuple(st["carry"]) if st["carry"] is not None else None
+        self.st["counts"], self.st["done"] = dict(st["counts"]), list(st["done"])
+        self._pieces, self._piece, self._poff = None, None, 0
+        cur = st["cur"]
+        if cur is not None:  # reopen the partly read document and skip what was packed
+            s = self.streams[cur["source"]]
+            s.restore(cur["pos"])
+            doc = s.next_doc()
+            self.st["cur"] = dict(cur)
+            self._pieces = self._doc_pieces(doc, skip=cur["off"])
+            self._piece = next(self._pieces, None)
             if self._piece is None:
-                break
-        k = min(N - pos, len(self._piece) - self._poff)
-        buf[pos : pos + k] = self._piece[self._poff : self._poff + k]
-        ser[pos : pos + k] = self.st["serial"]
-        pos += k
-        self._poff += k
-        self.st["cur"]["off"] += k
-    if pos <= (self.st["carry"] is not None):
-        return None  # nothing new: the split is used up
-    rows = self.B
-    if pos < N:  # the last batch of a finite split
-        buf[pos:], ser[pos:] = self.codec.pad, self.st["serial"] + 1
-        rows = -(-(pos - 1) // self.T)
-    self.st["carry"] = (int(buf[N - 1]), int(ser[N - 1])) if pos == N else None
-    self.st["batches"] += 1
-    n = rows * self.T  # windows overlap by one id, so inputs and labels are two shifted reshapes of the buffer
-    labels = buf[1 : n + 1].reshape(rows, self.T).copy()
-    if pos < N:
-        labels[labels == self.codec.pad] = -100  # documents never hold PAD (see the codecs), only the padding does
-    out = dict(input_ids=buf[:n].reshape(rows, self.T).copy(), labels=labels)
-    if self.doc_mask:
-        d = ser[:n].reshape(rows, self.T)
-        out["doc_ids"] = d - d[:, :1]
-    return out
-
-# %% ../../nbs/02b_data_loader.ipynb #aa8a1e90
-@patch
-def state(self: Packer) -> dict:
-    "Where this reader stands: batches made, the partly read document, each source's position, counts."
-    st = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v) for k, v in self.st.items()}
-    st["sources"] = {n: s.state() for n, s in self.streams.items()}
-    return st
-
-
-@patch
-def restore(self: Packer, st: dict):
-    "Continue exactly where `state` was taken."
-    st = {k: v for k, v in st.items()}
-    for n, s in self.streams.items():
-        s.restore(st["sources"][n])
-    self.st = {k: v for k, v in st.items() if k != "sources"}
-    self.st["carry"] = tuple(st["carry"]) if st["carry"] is not None else None
-    self.st["counts"], self.st["done"] = dict(st["counts"]), list(st["done"])
-    self._pieces, self._piece, self._poff = None, None, 0
-    cur = st["cur"]
-    if cur is not None:  # reopen the partly read document and skip what was packed
-        s = self.streams[cur["source"]]
-        s.restore(cur["pos"])
-        doc = s.next_doc()
-        self.st["cur"] = dict(cur)
-        self._pieces = self._doc_pieces(doc, skip=cur["off"])
-        self._piece = next(self._pieces, None)
-        if self._piece is None:
-            self._pieces = None
+                self._pieces = None
 
 # %% ../../nbs/02b_data_loader.ipynb #e3529149
 def planned(data: DataConfig, split: str, epochs=None) -> bool:
@@ -462,6 +445,12 @@ def _make_packer(data, training, split, rank, world_size, n_workers, mix, epochs
         return PlanReader(data, training, rank, world_size, w, n_workers, block)
     return Packer(data, training, split, rank, world_size, w, n_workers, mix=mix, epochs=epochs, block=block)
 
+# %% ../../nbs/02b_data_loader.ipynb #e24244b0
+def reader_batches(k: int, w: int, block: int, n: int) -> int:
+    "Batches reader `w` of `n` has made when its rank has handed out `k`, the readers taking turns by `block`."
+    rounds, rest = divmod(k, block * n)
+    return rounds * block + min(max(rest - w * block, 0), block)
+
 # %% ../../nbs/02b_data_loader.ipynb #4c5fb7da
 class Loader:
     "Batches for one rank: iterate it; `state_dict()` / `load_state_dict()` resume exactly (train split)."
@@ -493,6 +482,7 @@ class Loader:
         )  # micro-batches handed out; each reader's state after its last one
 
     def _layout(self) -> dict:
+        "What fixes the batches: a resumed loader must have the same."
         t = self.training
         if self.planned:  # what fixes the windows of a global step; the world size and accumulation only slice them
             rows = self.world_size * t.batch_size * t.grad_accum
@@ -535,6 +525,7 @@ class Loader:
                 yield w, {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
 
     def __iter__(self):
+        "The batches of this rank, in order."
         for _, batch in self.iter_readers():
             yield batch
 
@@ -577,31 +568,25 @@ class Loader:
             out["truncated"] += s["truncated"]
         return out
 
-# %% ../../nbs/02b_data_loader.ipynb #e24244b0
-def reader_batches(k: int, w: int, block: int, n: int) -> int:
-    "Batches reader `w` of `n` has made when its rank has handed out `k`, the readers taking turns by `block`."
-    rounds, rest = divmod(k, block * n)
-    return rounds * block + min(max(rest - w * block, 0), block)
-
-
-@patch
-def _load_planned(self: Loader, sd: dict):
-    "Continue a replay plan at the saved global step, on any number of ranks and workers with the same global batch."
-    saved, now = sd["layout"], self._layout()
-    for key, what in (
-        ("global_rows", "global batch of windows (ranks x micro-batch x accumulation)"),
-        ("seq_len", "seq_len"),
-    ):
-        if saved[key] != now[key]:
+    def _load_planned(self, sd: dict):
+        "Continue a replay plan at the saved global step, on any number of ranks and workers with one global batch."
+        saved, now = sd["layout"], self._layout()
+        for key, what in (
+            ("global_rows", "global batch of windows (ranks x micro-batch x accumulation)"),
+            ("seq_len", "seq_len"),
+        ):
+            if saved[key] != now[key]:
+                raise ValueError(
+                    f"the data loader state was saved with a {what} of {saved[key]}, this run's is {now[key]}: "
+                    "a replay plan continues on another number of ranks only with the same global batch and seq_len"
+                )
+        step, micro = divmod(int(sd["k"]), saved["grad_accum"])
+        if micro and (saved["world_size"], saved["grad_accum"]) != (now["world_size"], now["grad_accum"]):
             raise ValueError(
-                f"the data loader state was saved with a {what} of {saved[key]}, this run's is {now[key]}: "
-                "a replay plan continues on another number of ranks only with the same global batch and seq_len"
+                f"the data loader state was saved inside optimizer step {step}: resume it on the same layout"
             )
-    step, micro = divmod(int(sd["k"]), saved["grad_accum"])
-    if micro and (saved["world_size"], saved["grad_accum"]) != (now["world_size"], now["grad_accum"]):
-        raise ValueError(f"the data loader state was saved inside optimizer step {step}: resume it on the same layout")
-    self.k = step * now["grad_accum"] + micro
-    self.states = [plan_state(reader_batches(self.k, w, self.block, self.n_workers)) for w in range(self.n_workers)]
+        self.k = step * now["grad_accum"] + micro
+        self.states = [plan_state(reader_batches(self.k, w, self.block, self.n_workers)) for w in range(self.n_workers)]
 
 # %% ../../nbs/02b_data_loader.ipynb #3b515f96
 def mixture_loader(

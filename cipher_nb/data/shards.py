@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-from fastcore.basics import patch
 
-from .sources import PIECE_BYTES, DataError, ListStream, SourceSpec, iter_pieces, seed_of
+from .documents import PIECE_BYTES, iter_pieces
+from .sources import DataError, ListStream, SourceSpec, seed_of
 
 # %% ../../nbs/02ab_data_shards.ipynb #ae7ae1b1
 MANIFEST = "manifest.json"
@@ -166,16 +166,21 @@ class ShardStream:
         self.st = dict(epoch=0, i=0, empty=0, seen=0)
         self._order = None
 
+    next_doc = ListStream.next_doc  # the on-the-fly sources' epoch loop: one copy of it
+
     def _epoch_order(self) -> np.ndarray:
+        "This reader's documents of the epoch: a fresh permutation of the training split, the held-out split in order."
         if self.split == "heldout":
             return self.pool[self.g :: self.n]
         perm = np.random.default_rng(seed_of(self.seed, self.name, self.st["epoch"])).permutation(self.pool)
         return perm[self.g :: self.n]
 
     def state(self) -> dict:
+        "The position: epoch, index in its order, empty documents skipped, documents handed out."
         return dict(self.st)
 
     def restore(self, st: dict):
+        "Continue from a `state()`."
         self.st, self._order = dict(st), None
 
     def doc(self, k: int) -> np.ndarray:
@@ -185,14 +190,13 @@ class ShardStream:
         return ids[int(starts[j]) : int(starts[j + 1])]
 
     def _doc(self, k: int) -> tuple:
+        "Document `k` and its length."
         d = self.doc(k)
         return d, len(d)  # never 0: a prepared document holds BOS and EOS
 
     def why_empty(self) -> str:
-        return ""  # prepared documents are never empty: a reader without any has too few of them
-
-# %% ../../nbs/02ab_data_shards.ipynb #90519466
-ShardStream.next_doc = ListStream.next_doc  # the on-the-fly sources' epoch loop: one copy of it
+        "Nothing: prepared documents are never empty, so a reader without any has too few of them."
+        return ""
 
 # %% ../../nbs/02ab_data_shards.ipynb #598d003b
 class ReplayPlan:
@@ -220,24 +224,22 @@ class ReplayPlan:
             self._orders[epoch] = (perm, cum)
         return self._orders[epoch]
 
-# %% ../../nbs/02ab_data_shards.ipynb #0d0b8700
-@patch
-def read(self: ReplayPlan, pos: int, n: int) -> tuple:
-    "(ids [n] int64, document numbers [n] int64) of the stream from position `pos`."
-    ids, docs, got = np.empty(n, np.int64), np.empty(n, np.int64), 0
-    while got < n:
-        epoch, off = divmod(pos + got, self.epoch_tokens)
-        perm, cum = self.order(epoch)
-        j = int(np.searchsorted(cum, off, side="right")) - 1  # the document holding position `off`
-        while got < n and j < len(perm):
-            k, skip = int(perm[j]), off - int(cum[j])
-            take = min(n - got, int(self.lengths[k]) - skip)
-            src, _ = self.maps[self.shard_of[k]]
-            start = int(self.first[k]) + skip
-            ids[got : got + take] = src[start : start + take]
-            docs[got : got + take] = epoch * len(perm) + j
-            got, off, j = got + take, off + take, j + 1
-    return ids, docs
+    def read(self, pos: int, n: int) -> tuple:
+        "(ids [n] int64, document numbers [n] int64) of the stream from position `pos`."
+        ids, docs, got = np.empty(n, np.int64), np.empty(n, np.int64), 0
+        while got < n:
+            epoch, off = divmod(pos + got, self.epoch_tokens)
+            perm, cum = self.order(epoch)
+            j = int(np.searchsorted(cum, off, side="right")) - 1  # the document holding position `off`
+            while got < n and j < len(perm):
+                k, skip = int(perm[j]), off - int(cum[j])
+                take = min(n - got, int(self.lengths[k]) - skip)
+                src, _ = self.maps[self.shard_of[k]]
+                start = int(self.first[k]) + skip
+                ids[got : got + take] = src[start : start + take]
+                docs[got : got + take] = epoch * len(perm) + j
+                got, off, j = got + take, off + take, j + 1
+        return ids, docs
 
 # %% ../../nbs/02ab_data_shards.ipynb #fcc3c89a
 def plan_window(step: int, micro: int, rank: int, world_size: int, batch_size: int, grad_accum: int) -> int:

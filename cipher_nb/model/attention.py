@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from ..config.load import ModelConfig
@@ -221,49 +220,43 @@ class KVCache:
     def slot(self, key) -> KVSlot:
         return KVSlot(self, key)
 
-# %% ../../nbs/05d_model_attention.ipynb #4772779a
-@patch
-def begin(self: KVCache, T: int, kernel: str = "sdpa") -> tuple:
-    "Start a step of T new ids: (positions [B, T], the `AttnMask` every layer shares)."
-    dev, pad = self.device, self.pad
-    if self.t == 0:  # prefill: the prompt attends within itself; its last `size` positions are stored
-        valid = None if pad is None else torch.arange(T, device=dev)[None] >= pad[:, None]  # [B, T]
-        self.mask = build_attn_mask(kernel, T, None, self.window, valid, self.batch, dev)
-        kept = torch.arange(max(0, T - self.size), T, device=dev)
-        self.slot_pos[kept % self.size] = kept
-    elif T == 1:  # decode: one query per row over every stored slot it may see
-        self.slot_pos[self.t % self.size] = self.t
-        self.n = min(self.t + 1, self.size)
-        dense = None if pad is None else (self.slot_pos[: self.n][None] >= pad[:, None])[:, None, None]  # [B,1,1,n]
-        self.mask = AttnMask("sdpa", dense=dense, causal=False)
-    else:
-        raise ValueError(f"a KVCache takes the prompt, then one id per step (got {T} ids after {self.t})")
-    pos = self.t + torch.arange(T, device=dev)[None]  # [1, T]
-    return (pos if pad is None else (pos - pad[:, None]).clamp(min=0)).expand(self.batch, T), self.mask
+    def begin(self, T: int, kernel: str = "sdpa") -> tuple:
+        "Start a step of T new ids: (positions [B, T], the `AttnMask` every layer shares)."
+        dev, pad = self.device, self.pad
+        if self.t == 0:  # prefill: the prompt attends within itself; its last `size` positions are stored
+            valid = None if pad is None else torch.arange(T, device=dev)[None] >= pad[:, None]  # [B, T]
+            self.mask = build_attn_mask(kernel, T, None, self.window, valid, self.batch, dev)
+            kept = torch.arange(max(0, T - self.size), T, device=dev)
+            self.slot_pos[kept % self.size] = kept
+        elif T == 1:  # decode: one query per row over every stored slot it may see
+            self.slot_pos[self.t % self.size] = self.t
+            self.n = min(self.t + 1, self.size)
+            dense = None if pad is None else (self.slot_pos[: self.n][None] >= pad[:, None])[:, None, None]  # [B,1,1,n]
+            self.mask = AttnMask("sdpa", dense=dense, causal=False)
+        else:
+            raise ValueError(f"a KVCache takes the prompt, then one id per step (got {T} ids after {self.t})")
+        pos = self.t + torch.arange(T, device=dev)[None]  # [1, T]
+        return (pos if pad is None else (pos - pad[:, None]).clamp(min=0)).expand(self.batch, T), self.mask
 
+    def update(self, key, *new) -> tuple:
+        "Store layer `key`'s new tensors [B, heads, T, width]; return what its queries attend over."
+        if self.t == 0:
+            T, keep = new[0].shape[2], min(new[0].shape[2], self.size)
+            slots = torch.arange(T - keep, T, device=new[0].device) % self.size
+            bufs = self.layers[key] = [x.new_zeros(x.shape[0], x.shape[1], self.size, x.shape[3]) for x in new]
+            for b, x in zip(bufs, new):
+                b[:, :, slots] = x[:, :, T - keep :]
+            return new
+        s = self.t % self.size
+        out = []
+        for b, x in zip(self.layers[key], new):
+            b[:, :, s : s + 1] = x
+            out.append(b[:, :, : self.n])
+        return tuple(out)
 
-@patch
-def update(self: KVCache, key, *new) -> tuple:
-    "Store layer `key`'s new tensors [B, heads, T, width]; return what its queries attend over."
-    if self.t == 0:
-        T, keep = new[0].shape[2], min(new[0].shape[2], self.size)
-        slots = torch.arange(T - keep, T, device=new[0].device) % self.size
-        bufs = self.layers[key] = [x.new_zeros(x.shape[0], x.shape[1], self.size, x.shape[3]) for x in new]
-        for b, x in zip(bufs, new):
-            b[:, :, slots] = x[:, :, T - keep :]
-        return new
-    s = self.t % self.size
-    out = []
-    for b, x in zip(self.layers[key], new):
-        b[:, :, s : s + 1] = x
-        out.append(b[:, :, : self.n])
-    return tuple(out)
-
-
-@patch
-def end(self: KVCache, T: int):
-    "Close a step of T ids."
-    self.t += T
+    def end(self, T: int):
+        "Close a step of T ids."
+        self.t += T
 
 # %% ../../nbs/05d_model_attention.ipynb #cff6f25d
 class Attention(nn.Module):
@@ -292,12 +285,12 @@ class Attention(nn.Module):
         self.kernel = mask.kernel
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
-# %% ../../nbs/05d_model_attention.ipynb #6643cd7d
+# %% ../../nbs/05d_model_attention.ipynb #16d12a35
 def rope_dim(cfg: ModelConfig) -> int:
     "The width RoPE rotates in a head: `head_dim` for GQA, the decoupled `rope_head_dim` for MLA."
     return cfg.attention.rope_head_dim if cfg.attention.kind == "mla" else cfg.attention.head_dim
 
-
+# %% ../../nbs/05d_model_attention.ipynb #dd9270b5
 class LatentAttention(nn.Module):
     "DeepSeek's multi-head latent attention: keys and values up-projected from a cached latent, a shared RoPE key."
 
@@ -330,32 +323,31 @@ class LatentAttention(nn.Module):
         B, _, S, _ = c.shape
         return self.wkv_b(c[:, 0]).view(B, S, self.nh, 2 * self.hd).transpose(1, 2).chunk(2, dim=-1)
 
-# %% ../../nbs/05d_model_attention.ipynb #1cf8e233
-@patch
-def forward(self: LatentAttention, x, cos, sin, mask=None, kv: KVSlot = None):
-    B, T, _ = x.shape
-    q_nope, q_rope = self.query(x).split([self.hd, self.dr], dim=-1)
-    c, k_rope = self.wkv_a(x).split([self.r, self.dr], dim=-1)
-    c, k_rope = self.kv_norm(c)[:, None], apply_rope(k_rope[:, None], cos, sin)  # [B, 1, T, r], [B, 1, T, dr]
-    q_rope = apply_rope(q_rope, cos, sin)
-    if kv is not None:  # the cache holds the latent and the RoPE key only
-        c, k_rope = kv.update(c, k_rope)
-    mask = mask if isinstance(mask, AttnMask) else AttnMask("sdpa", dense=mask)
-    self.kernel = mask.kernel
-    scale = (self.hd + self.dr) ** -0.5
-    if self.absorb and kv is not None and kv.cache.t > 0:  # a decode step: score against the latents
-        w_uk, w_uv = self.wkv_b.weight.view(self.nh, 2 * self.hd, self.r).split(self.hd, dim=1)  # [nh, hd, r]
-        q = torch.cat([q_nope @ w_uk, q_rope], -1)  # [B, nh, T, r + dr]
-        k = torch.cat([c, k_rope], -1)  # [B, 1, S, r + dr]
-        o = F.scaled_dot_product_attention(q, k, c, attn_mask=mask.dense, scale=scale, enable_gqa=True)
-        y = o @ w_uv.mT  # [B, nh, T, hd]
-    else:
-        k_nope, v = self.expand(c)
-        k = torch.cat([k_nope, k_rope.expand(-1, self.nh, -1, -1)], -1)
-        y = attend(torch.cat([q_nope, q_rope], -1), k, v, mask)  # the default scale: 1/sqrt(hd + dr)
-    return self.wo(self.drop(y).transpose(1, 2).reshape(B, T, self.nh * self.hd))
+    def forward(self, x, cos, sin, mask=None, kv: KVSlot = None):
+        "x [B, T, d] -> [B, T, d]; with a cache slot `kv`, the new positions attend over every cached one."
+        B, T, _ = x.shape
+        q_nope, q_rope = self.query(x).split([self.hd, self.dr], dim=-1)
+        c, k_rope = self.wkv_a(x).split([self.r, self.dr], dim=-1)
+        c, k_rope = self.kv_norm(c)[:, None], apply_rope(k_rope[:, None], cos, sin)  # [B, 1, T, r], [B, 1, T, dr]
+        q_rope = apply_rope(q_rope, cos, sin)
+        if kv is not None:  # the cache holds the latent and the RoPE key only
+            c, k_rope = kv.update(c, k_rope)
+        mask = mask if isinstance(mask, AttnMask) else AttnMask("sdpa", dense=mask)
+        self.kernel = mask.kernel
+        scale = (self.hd + self.dr) ** -0.5
+        if self.absorb and kv is not None and kv.cache.t > 0:  # a decode step: score against the latents
+            w_uk, w_uv = self.wkv_b.weight.view(self.nh, 2 * self.hd, self.r).split(self.hd, dim=1)  # [nh, hd, r]
+            q = torch.cat([q_nope @ w_uk, q_rope], -1)  # [B, nh, T, r + dr]
+            k = torch.cat([c, k_rope], -1)  # [B, 1, S, r + dr]
+            o = F.scaled_dot_product_attention(q, k, c, attn_mask=mask.dense, scale=scale, enable_gqa=True)
+            y = o @ w_uv.mT  # [B, nh, T, hd]
+        else:
+            k_nope, v = self.expand(c)
+            k = torch.cat([k_nope, k_rope.expand(-1, self.nh, -1, -1)], -1)
+            y = attend(torch.cat([q_nope, q_rope], -1), k, v, mask)  # the default scale: 1/sqrt(hd + dr)
+        return self.wo(self.drop(y).transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
-
+# %% ../../nbs/05d_model_attention.ipynb #2274f18b
 def build_attention(cfg: ModelConfig) -> nn.Module:
     "The attention layer `model.attention.kind` names: `Attention` (gqa) or `LatentAttention` (mla)."
     return LatentAttention(cfg) if cfg.attention.kind == "mla" else Attention(cfg)

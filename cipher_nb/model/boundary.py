@@ -6,7 +6,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/model_boundary.html.md"""
 
 # %% auto #0
 __all__ = ['BP_MODES', 'CAUSAL_BP_MODES', 'check_bp_mode', 'logistic_noise', 'straight_through', 'Segments', 'segments_from_hard',
-           'BoundaryPredictor', 'score_quantile', 'downsample', 'segment_mask', 'upsample', 'binomial_nll', 'bp_loss',
+           'score_quantile', 'BoundaryPredictor', 'downsample', 'segment_mask', 'upsample', 'binomial_nll', 'bp_loss',
            'boundary_stats', 'ByteHourglass', 'set_bp_trainable']
 
 # %% ../../nbs/04_model_boundary.ipynb #6b881f97
@@ -17,7 +17,6 @@ from typing import get_args
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fastcore.basics import patch
 
 from ..config.load import BPMode, CausalBPMode, ModelConfig
 from .context import Context, run_blocks
@@ -109,7 +108,21 @@ def segments_from_hard(
         mode=mode,
     )
 
-# %% ../../nbs/04_model_boundary.ipynb #1a27f4d9
+# %% ../../nbs/04_model_boundary.ipynb #4fc8a070
+def _init_threshold(cfg: ModelConfig, training: bool) -> float:
+    "The threshold before any update: `bp_rate` for scores near zero in training, 0 in evaluation."
+    # with logistic noise P(z + noise > thr) = sigmoid(z - thr): for z ~ 0 this is bp_rate at thr = logit(1 - bp_rate)
+    return math.log((1 - cfg.boundary.rate) / cfg.boundary.rate) if training else 0.0
+
+# %% ../../nbs/04_model_boundary.ipynb #d62b739c
+@torch.no_grad()
+def score_quantile(z: torch.Tensor, rate: float) -> torch.Tensor:
+    "The value that a fraction `rate` of the entries of `z` exceed."
+    z = z.detach().float().flatten()
+    k = max(1, z.numel() - round(rate * z.numel()))
+    return z.kthvalue(k).values
+
+# %% ../../nbs/04_model_boundary.ipynb #e9fbfb68
 class BoundaryPredictor(nn.Module):
     "Scores each byte, turns scores into segment ends (causal_fixed | adaptive | topk), holds the null segment."
 
@@ -130,67 +143,49 @@ class BoundaryPredictor(nn.Module):
         self.mode = check_bp_mode(mode)
 
     def extra_repr(self) -> str:
+        "The mode and the rate, in the module's repr."
         return f"mode={self.mode!r}, rate={self.cfg.boundary.rate:.4f}"
 
-# %% ../../nbs/04_model_boundary.ipynb #150633e6
-def _init_threshold(cfg: ModelConfig, training: bool) -> float:
-    # with logistic noise P(z + noise > thr) = sigmoid(z - thr): for z ~ 0 this is bp_rate at thr = logit(1 - bp_rate)
-    return math.log((1 - cfg.boundary.rate) / cfg.boundary.rate) if training else 0.0
+    def threshold(self, training: bool) -> torch.Tensor:
+        "The causal_fixed threshold from past batches only (0-d tensor)."
+        m, i = self.cfg.boundary.threshold_momentum, 0 if training else 1
+        debiased = self.ema[i] / (1 - m ** self.n_updates.float()).clamp_min(1e-12)
+        return torch.where(self.n_updates > 0, debiased, torch.full_like(debiased, _init_threshold(self.cfg, training)))
 
+    @torch.no_grad()
+    def track_quantile(self, noisy: torch.Tensor, clean: torch.Tensor):
+        "Fold this batch's score quantiles into the EMAs (they serve the next batch)."
+        q = torch.stack([score_quantile(noisy, self.cfg.boundary.rate), score_quantile(clean, self.cfg.boundary.rate)])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(q)
+            q /= torch.distributed.get_world_size()
+        m = self.cfg.boundary.threshold_momentum
+        self.ema.mul_(m).add_((1 - m) * q)
+        self.n_updates += 1
 
-@torch.no_grad()
-def score_quantile(z: torch.Tensor, rate: float) -> torch.Tensor:
-    "The value that a fraction `rate` of the entries of `z` exceed."
-    z = z.detach().float().flatten()
-    k = max(1, z.numel() - round(rate * z.numel()))
-    return z.kthvalue(k).values
-
-
-@patch
-def threshold(self: BoundaryPredictor, training: bool) -> torch.Tensor:
-    "The causal_fixed threshold from past batches only (0-d tensor)."
-    m, i = self.cfg.boundary.threshold_momentum, 0 if training else 1
-    debiased = self.ema[i] / (1 - m ** self.n_updates.float()).clamp_min(1e-12)
-    return torch.where(self.n_updates > 0, debiased, torch.full_like(debiased, _init_threshold(self.cfg, training)))
-
-
-@patch
-@torch.no_grad()
-def track_quantile(self: BoundaryPredictor, noisy: torch.Tensor, clean: torch.Tensor):
-    "Fold this batch's score quantiles into the EMAs (they serve the next batch)."
-    q = torch.stack([score_quantile(noisy, self.cfg.boundary.rate), score_quantile(clean, self.cfg.boundary.rate)])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(q)
-        q /= torch.distributed.get_world_size()
-    m = self.cfg.boundary.threshold_momentum
-    self.ema.mul_(m).add_((1 - m) * q)
-    self.n_updates += 1
-
-# %% ../../nbs/04_model_boundary.ipynb #2c789aeb
-@patch
-def forward(
-    self: BoundaryPredictor,
-    h: torch.Tensor,
-    doc_ids: torch.Tensor | None = None,
-    mode: str | None = None,
-    generating: bool = False,
-) -> Segments:
-    "Boundaries for byte hidden states `h` [B, T, D]; a change of `doc_ids` always ends a segment."
-    mode = check_bp_mode(mode or self.mode, generating)
-    logits = self.mlp(h).squeeze(-1).float()  # [B, T]
-    z = logits + logistic_noise(logits) if self.training else logits
-    if mode == "adaptive":
-        thr = torch.zeros((), device=z.device)
-    elif mode == "causal_fixed":
-        thr = self.threshold(self.training)
-    else:  # topk: the k-th largest score of each sequence, which depends on every byte of it
-        k = max(1, int(z.shape[1] * self.cfg.boundary.rate))
-        thr = z.detach().topk(k, dim=1).values[:, -1:]  # [B, 1]
-    hard = (z >= thr) if mode == "topk" else (z > thr)
-    soft = torch.sigmoid((z - thr) / self.cfg.boundary.temperature)
-    if self.training:
-        self.track_quantile(z, logits)  # in every mode, so causal_fixed is ready whenever it is asked for
-    return segments_from_hard(straight_through(hard.float(), soft), logits, doc_ids, mode)
+    def forward(
+        self,
+        h: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        mode: str | None = None,
+        generating: bool = False,
+    ) -> Segments:
+        "Boundaries for byte hidden states `h` [B, T, D]; a change of `doc_ids` always ends a segment."
+        mode = check_bp_mode(mode or self.mode, generating)
+        logits = self.mlp(h).squeeze(-1).float()  # [B, T]
+        z = logits + logistic_noise(logits) if self.training else logits
+        if mode == "adaptive":
+            thr = torch.zeros((), device=z.device)
+        elif mode == "causal_fixed":
+            thr = self.threshold(self.training)
+        else:  # topk: the k-th largest score of each sequence, which depends on every byte of it
+            k = max(1, int(z.shape[1] * self.cfg.boundary.rate))
+            thr = z.detach().topk(k, dim=1).values[:, -1:]  # [B, 1]
+        hard = (z >= thr) if mode == "topk" else (z > thr)
+        soft = torch.sigmoid((z - thr) / self.cfg.boundary.temperature)
+        if self.training:
+            self.track_quantile(z, logits)  # in every mode, so causal_fixed is ready whenever it is asked for
+        return segments_from_hard(straight_through(hard.float(), soft), logits, doc_ids, mode)
 
 # %% ../../nbs/04_model_boundary.ipynb #569fedb5
 def downsample(h: torch.Tensor, seg: Segments) -> tuple:

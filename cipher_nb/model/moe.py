@@ -439,6 +439,16 @@ def _in_backward() -> bool:
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 
+# %% ../../nbs/05_model_moe.ipynb #099c8ee5
+def _disable_compile(fn):
+    "`torch.compiler.disable(fn)`, except that dynamo (seconds to import) is imported at `fn`'s first call."
+    fn = torch._disable_dynamo(fn)  # torch's own lazy disable
+    fn._torchdynamo_disable = True  # torch.compiler.disable's mark: dynamo calls `fn` eagerly, never traces into it
+    return fn
+
+# %% ../../nbs/05_model_moe.ipynb #fbda9f9a
+BIAS_BOOST = 10  # the bias rate's multiple over the first `bias_boost_steps` optimizer steps
+
 # %% ../../nbs/05_model_moe.ipynb #c4d614b1
 class MoE(nn.Module):
     "Routed + shared SwiGLU experts with fp32 (fp64) routing, loss-free balancing, weighted aux losses and statistics."
@@ -478,123 +488,113 @@ class MoE(nn.Module):
         for w in ws:
             nn.init.normal_(w, std=std)
 
-# %% ../../nbs/05_model_moe.ipynb #35dd0346
-from fastcore.basics import patch
+    def select(self, xf) -> tuple:
+        "Route xf [N, d] in fp32 (fp64 for a float64 model): (logits [N, E], scores [N, E], idx [N, k], gates [N, k])."
+        m = self.cfg.moe
+        rdt = torch.float64 if self.router.weight.dtype == torch.float64 else torch.float32  # routing dtype
+        with torch.autocast(xf.device.type, enabled=False):
+            logits = F.linear(xf.to(rdt), self.router.weight.to(rdt))  # [N, E]
+        bias = self.expert_bias.to(rdt) if m.bias_balance else None
+        return (logits, *route(logits, m.top_k, m.router_score, m.router_renorm, m.route_scale, bias))
 
+    def forward(self, x):
+        "x [B,T,d] -> (y [B,T,d], aux: weighted losses, stats: detached monitor tensors)."
+        c = self.cfg
+        if x.shape[-1] != c.d_model:
+            raise ValueError(f"MoE input has {x.shape[-1]} features, model.d_model is {c.d_model}")
+        xf = x.reshape(-1, c.d_model)  # [N, d]
+        logits, scores, idx, gates = self.select(xf)  # [N, E], [N, E], [N, k], [N, k]
+        counts = expert_counts(idx, c.moe.n_routed)  # [E]
+        impl = resolve_moe_impl(c.moe.impl, x.device, compute_dtype(xf), c.d_model, *expert_width(c.moe))
+        self.kernel = impl
+        y = self.experts(xf, idx, gates, impl, counts)
+        if self.shared is not None:
+            y = y + self.shared(xf)
+        lse = logits.logsumexp(-1)  # [N]
+        out = y.view(x.shape), self._aux(lse, scores, idx), self._stats(logits, lse, scores, idx, gates, counts)
+        if self.training:
+            self._add_load(counts)  # last: under torch.compile its graph break splits nothing
+        return out
 
-@patch
-def forward(self: MoE, x):
-    "x [B,T,d] -> (y [B,T,d], aux: weighted losses, stats: detached monitor tensors)."
-    c = self.cfg
-    if x.shape[-1] != c.d_model:
-        raise ValueError(f"MoE input has {x.shape[-1]} features, model.d_model is {c.d_model}")
-    xf = x.reshape(-1, c.d_model)  # [N, d]
-    rdt = torch.float64 if self.router.weight.dtype == torch.float64 else torch.float32  # routing dtype
-    with torch.autocast(x.device.type, enabled=False):
-        logits = F.linear(xf.to(rdt), self.router.weight.to(rdt))  # [N, E] fp32 (fp64 for a float64 model)
-    scores, idx, gates = route(
-        logits,
-        c.moe.top_k,
-        c.moe.router_score,
-        c.moe.router_renorm,
-        c.moe.route_scale,
-        self.expert_bias.to(rdt) if c.moe.bias_balance else None,
-    )
-    counts = expert_counts(idx, c.moe.n_routed)  # [E]
-    impl = resolve_moe_impl(c.moe.impl, x.device, compute_dtype(xf), c.d_model, *expert_width(c.moe))
-    self.kernel = impl
-    y = self.experts(xf, idx, gates, impl, counts)
-    if self.shared is not None:
-        y = y + self.shared(xf)
-    lse = logits.logsumexp(-1)  # [N]
-    out = y.view(x.shape), self._aux(lse, scores, idx), self._stats(logits, lse, scores, idx, gates, counts)
-    if self.training:
-        self._add_load(counts)  # last: under torch.compile its graph break splits nothing
-    return out
+    def output(self, x) -> torch.Tensor:
+        "The output alone for x [..., d], as generation needs it: no losses, no statistics, no load counted."
+        m = self.cfg.moe
+        xf = x.reshape(-1, x.shape[-1])  # [N, d]
+        _, _, idx, gates = self.select(xf)  # [N, k] each
+        dt = compute_dtype(xf)
+        if isinstance(self.experts, RoutedExperts) and idx.numel() <= m.n_routed:  # fewer picks than experts: gather
+            ex, xd = self.experts, xf.to(dt)
+            a = torch.einsum("nd,nkhd->nkh", xd, ex.w_gate[idx].to(dt))
+            b = torch.einsum("nd,nkhd->nkh", xd, ex.w_up[idx].to(dt))
+            h = F.silu(a) * b * gates.to(dt)[..., None]  # [N, k, hidden]
+            y = torch.einsum("nkh,nkdh->nd", h, ex.w_down[idx].to(dt))
+        else:
+            y = self.experts(xf, idx, gates, resolve_moe_impl(m.impl, x.device, dt, self.cfg.d_model, *expert_width(m)))
+        if self.shared is not None:
+            y = y + self.shared(xf)
+        return y.view(x.shape).to(x.dtype)
 
+    @_disable_compile  # runs eagerly, so that `_in_backward` is asked at run time, never baked into a graph
+    def _add_load(self, counts):
+        "Add one forward's counts to the pending load, unless autograd is recomputing a checkpointed forward."
+        if _in_backward():
+            return
+        if self.pending_load is None or self.pending_load.device != counts.device:
+            self.pending_load = torch.zeros_like(counts)
+        self.pending_load += counts
 
-def _disable_compile(fn):
-    "`torch.compiler.disable(fn)`, except that dynamo (seconds to import) is imported at `fn`'s first call."
-    fn = torch._disable_dynamo(fn)  # torch's own lazy disable
-    fn._torchdynamo_disable = True  # torch.compiler.disable's mark: dynamo calls `fn` eagerly, never traces into it
-    return fn
+    def _aux(self, lse, scores, idx) -> dict:
+        "The weighted auxiliary losses whose weight is positive."
+        c, aux = self.cfg, {}
+        if c.moe.z_loss_weight > 0:
+            aux["z"] = c.moe.z_loss_weight * lse.square().mean()
+        if c.moe.balance_loss_weight > 0:
+            aux["balance"] = c.moe.balance_loss_weight * balance_loss(router_probs(scores, c.moe.router_score), idx)
+        if c.moe.n_pop_a > 0 and c.moe.ortho_weight > 0:
+            aux["ortho"] = c.moe.ortho_weight * ortho_loss(self.router.weight, c.moe.n_pop_a)
+        return aux
 
+    @torch.no_grad()
+    def _stats(self, logits, lse, scores, idx, gates, counts) -> dict:
+        "Detached statistics for the monitor (no host sync)."
+        c = self.cfg
+        p = router_probs(scores, c.moe.router_score)
+        pm = p.mean(0)  # [E] the batch's routing distribution
+        s = dict(
+            expert_counts=counts.float(),
+            router_entropy=-torch.xlogy(p, p).sum(-1).mean(),
+            router_mean_entropy=-torch.xlogy(pm, pm).sum(),
+            router_lse=lse.mean(),
+        )
+        if c.moe.n_pop_a > 0:
+            s["cross_pop_overlap"] = cross_pop_overlap(gates.float(), idx, c.moe.n_pop_a)
+        return s
 
-@patch
-@_disable_compile  # runs eagerly, so that `_in_backward` is asked at run time, never baked into a graph
-def _add_load(self: MoE, counts):
-    "Add one forward's counts to the pending load, unless autograd is recomputing a checkpointed forward."
-    if _in_backward():
-        return
-    if self.pending_load is None or self.pending_load.device != counts.device:
-        self.pending_load = torch.zeros_like(counts)
-    self.pending_load += counts
+    def take_load(self):
+        "The counts since the last update (zeros if none), and reset them."
+        load = torch.zeros_like(self.expert_bias, dtype=torch.long) if self.pending_load is None else self.pending_load
+        self.pending_load = None
+        return load
 
+    @torch.no_grad()
+    def apply_load(self, load, step: int = None):
+        "One DeepSeek-V3 step, `bias += gamma * sign(mean - load)` mean-centred (boosted early, at optimizer `step`)."
+        m = self.cfg.moe
+        if not m.bias_balance:
+            return
+        load = load.to(self.expert_bias.device, torch.float32)
+        gamma = m.bias_gamma * (BIAS_BOOST if step is not None and step <= m.bias_boost_steps else 1)
+        delta = gamma * torch.sign(load.mean() - load)
+        self.expert_bias += delta - delta.mean()
 
-@patch
-def _aux(self: MoE, lse, scores, idx) -> dict:
-    "The weighted auxiliary losses whose weight is positive."
-    c, aux = self.cfg, {}
-    if c.moe.z_loss_weight > 0:
-        aux["z"] = c.moe.z_loss_weight * lse.square().mean()
-    if c.moe.balance_loss_weight > 0:
-        aux["balance"] = c.moe.balance_loss_weight * balance_loss(router_probs(scores, c.moe.router_score), idx)
-    if c.moe.n_pop_a > 0 and c.moe.ortho_weight > 0:
-        aux["ortho"] = c.moe.ortho_weight * ortho_loss(self.router.weight, c.moe.n_pop_a)
-    return aux
+    def update_bias(self):
+        "Update the balancing bias from this step's counts (summed across ranks when distributed)."
+        load = self.take_load()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)
+        self.apply_load(load)
 
-
-@patch
-@torch.no_grad()
-def _stats(self: MoE, logits, lse, scores, idx, gates, counts) -> dict:
-    "Detached statistics for the monitor (no host sync)."
-    c = self.cfg
-    p = router_probs(scores, c.moe.router_score)
-    pm = p.mean(0)  # [E] the batch's routing distribution
-    s = dict(
-        expert_counts=counts.float(),
-        router_entropy=-torch.xlogy(p, p).sum(-1).mean(),
-        router_mean_entropy=-torch.xlogy(pm, pm).sum(),
-        router_lse=lse.mean(),
-    )
-    if c.moe.n_pop_a > 0:
-        s["cross_pop_overlap"] = cross_pop_overlap(gates.float(), idx, c.moe.n_pop_a)
-    return s
-
-# %% ../../nbs/05_model_moe.ipynb #b9bd401f
-@patch
-def take_load(self: MoE):
-    "The counts since the last update (zeros if none), and reset them."
-    load = torch.zeros_like(self.expert_bias, dtype=torch.long) if self.pending_load is None else self.pending_load
-    self.pending_load = None
-    return load
-
-
-BIAS_BOOST = 10  # the bias rate's multiple over the first `bias_boost_steps` optimizer steps
-
-
-@patch
-@torch.no_grad()
-def apply_load(self: MoE, load, step: int = None):
-    "One DeepSeek-V3 step, `bias += gamma * sign(mean - load)` mean-centred (boosted at optimizer step `step` early)."
-    m = self.cfg.moe
-    if not m.bias_balance:
-        return
-    load = load.to(self.expert_bias.device, torch.float32)
-    gamma = m.bias_gamma * (BIAS_BOOST if step is not None and step <= m.bias_boost_steps else 1)
-    delta = gamma * torch.sign(load.mean() - load)
-    self.expert_bias += delta - delta.mean()
-
-
-@patch
-def update_bias(self: MoE):
-    "Update the balancing bias from this step's counts (summed across ranks when distributed)."
-    load = self.take_load()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(load)
-    self.apply_load(load)
-
-
+# %% ../../nbs/05_model_moe.ipynb #1712b9f1
 def update_moe_biases(model: nn.Module, step: int = None) -> int:
     "Update the bias of every `MoE` in `model` from optimizer step `step`'s counts, one all-reduce; returns how many."
     blocks = [m for m in model.modules() if isinstance(m, MoE)]

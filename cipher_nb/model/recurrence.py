@@ -18,7 +18,6 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fastcore.basics import patch
 
 from ..config.load import ModelConfig
 from .context import CacheMiss, Context, run_blocks
@@ -249,35 +248,33 @@ class RecurrentStack(nn.Module):
                 ctx.stats.update(act.stats(len(states)))
         return x
 
-# %% ../../nbs/05c_model_recurrence.ipynb #94984575
-@patch
-def core(self: RecurrentStack, blocks, e, ctx: Context, first: int, n_loops=None) -> tuple:
-    "The core `blocks` looped over the prelude's output e: (output, the `ACTHalting` or None, loop states, entropies)."
-    r, cache = self.cfg, ctx.cache
-    loops = self.loop_count(n_loops)
-    keep = loops if r.backprop_loops <= 0 else min(r.backprop_loops, loops)
-    lora, act = getattr(self, "loop_lora", None), ACTHalting(r.halt_threshold) if r.halting else None
-    decoding = cache is not None and cache.t > 0
-    state, states, entropies = torch.zeros_like(e), [], []
-    grads = e.new_zeros(loops, dtype=torch.float32)  # filled by the backward pass (`watch_loop_grad`)
-    for k in range(loops):
-        if decoding and k >= cache.depth:  # earlier positions never ran loop k: only a recompute is exact
-            raise CacheMiss(f"loop {k} of the recurrent core is not cached (depth {cache.depth})")
-        with torch.set_grad_enabled(torch.is_grad_enabled() and k >= loops - keep):  # truncated backprop
-            # every loop reads the Engram memory with the same ids; a loop without gradients adds no aux loss
-            here = replace(ctx, loop=k, entropy=[], aux=ctx.aux if torch.is_grad_enabled() else {})
-            state = run_blocks(blocks, inject_input(self.inject, state, e, lora, k), here, first)
-            if act is not None:
-                act.step(self.halt(state), state, last=k == loops - 1)
-            watch_loop_grad(grads, k, state)
-        if here.entropy:
-            entropies.append(torch.stack(here.entropy).mean(0))  # over the core's MoE layers
-        states.append(state.detach() if cache is None else None)
-        if act is not None and not torch.is_grad_enabled() and (not decoding or k + 1 >= cache.depth) and act.done:
-            break  # evaluation: every token has halted (a decode step also fills every loop the cache holds)
-    if cache is None and torch.is_grad_enabled():  # training: the loops' gradient norms, after backward
-        ctx.stats["loop/grad_norm"] = grads[: len(states)]
-    if cache is not None:  # the prompt sets how many loops every position keeps
-        cache.depth = len(states) if not decoding else cache.depth
-    out = state if act is None else act.output.to(state.dtype)  # ACT: the halting-weighted mix of the loop states
-    return out, act, states, entropies
+    def core(self, blocks, e, ctx: Context, first: int, n_loops=None) -> tuple:
+        "The core `blocks` looped over the prelude's output e: (output, `ACTHalting` or None, loop states, entropies)."
+        r, cache = self.cfg, ctx.cache
+        loops = self.loop_count(n_loops)
+        keep = loops if r.backprop_loops <= 0 else min(r.backprop_loops, loops)
+        lora, act = getattr(self, "loop_lora", None), ACTHalting(r.halt_threshold) if r.halting else None
+        decoding = cache is not None and cache.t > 0
+        state, states, entropies = torch.zeros_like(e), [], []
+        grads = e.new_zeros(loops, dtype=torch.float32)  # filled by the backward pass (`watch_loop_grad`)
+        for k in range(loops):
+            if decoding and k >= cache.depth:  # earlier positions never ran loop k: only a recompute is exact
+                raise CacheMiss(f"loop {k} of the recurrent core is not cached (depth {cache.depth})")
+            with torch.set_grad_enabled(torch.is_grad_enabled() and k >= loops - keep):  # truncated backprop
+                # every loop reads the Engram memory with the same ids; a loop without gradients adds no aux loss
+                here = replace(ctx, loop=k, entropy=[], aux=ctx.aux if torch.is_grad_enabled() else {})
+                state = run_blocks(blocks, inject_input(self.inject, state, e, lora, k), here, first)
+                if act is not None:
+                    act.step(self.halt(state), state, last=k == loops - 1)
+                watch_loop_grad(grads, k, state)
+            if here.entropy:
+                entropies.append(torch.stack(here.entropy).mean(0))  # over the core's MoE layers
+            states.append(state.detach() if cache is None else None)
+            if act is not None and not torch.is_grad_enabled() and (not decoding or k + 1 >= cache.depth) and act.done:
+                break  # evaluation: every token has halted (a decode step also fills every loop the cache holds)
+        if cache is None and torch.is_grad_enabled():  # training: the loops' gradient norms, after backward
+            ctx.stats["loop/grad_norm"] = grads[: len(states)]
+        if cache is not None:  # the prompt sets how many loops every position keeps
+            cache.depth = len(states) if not decoding else cache.depth
+        out = state if act is None else act.output.to(state.dtype)  # ACT: the halting-weighted mix of the loop states
+        return out, act, states, entropies

@@ -33,16 +33,9 @@ from tqdm.auto import tqdm
 from ..cli import EXIT_FAILED, EXIT_OK, command
 from ..config.load import ConfigError, DataConfig, load_config
 from ..data.codecs import build_codec
+from ..data.documents import doc_size
 from ..data.shards import FORMAT, MANIFEST, check_shard, encode_shard, shard_dtype, shard_file
-from cipher_nb.data.sources import (
-    DataError,
-    data_fingerprint,
-    data_manifest,
-    doc_size,
-    has_heldout,
-    open_stream,
-    split_sources,
-)
+from ..data.sources import DataError, data_fingerprint, data_manifest, has_heldout, open_stream, split_sources
 from .files import fsync_dir, write_durable, write_json_atomic
 from .runlock import RunLock
 

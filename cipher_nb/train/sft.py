@@ -30,7 +30,8 @@ from ..config.load import Config, ConfigError, SFTConfig, validate
 from ..core import dist_env
 from ..data.codecs import ByteCodec, build_codec
 from ..data.conversations import load_conversations, read_utf8, stdlib_qa
-from ..data.sources import DataError, doc_hash
+from ..data.documents import doc_hash
+from ..data.sources import DataError
 from ..persist.checkpointer import is_sharded
 from ..persist.stages import StageHooks
 from .lora import check_mode, has_lora, inject_lora, merge_lora, merge_lora_state

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from fastcore.basics import patch
 from matplotlib.figure import Figure
 
 from ..callbacks import Callback
@@ -172,10 +171,12 @@ class LiveDashboard(Callback):
         return self._last is None or self.clock() - self._last >= max(self.interval, 5 * self._cost)
 
     def before_step(self, trainer):
+        "Redraw when the clock says it is due (on the main process; `every` redraws on log rows instead)."
         if self.every is None and getattr(trainer, "is_main", True) and self.due():
             self.update(trainer)
 
     def on_log(self, trainer, metrics: dict):
+        "Keep the row and the monitor's warnings; redraw on every `every`-th row."
         if not getattr(trainer, "is_main", True):
             return
         self.rows.append(dict(metrics))
@@ -186,78 +187,74 @@ class LiveDashboard(Callback):
             self.update(trainer)
 
     def on_end(self, trainer):
+        "Draw the final frame."
         if getattr(trainer, "is_main", True) and (self.rows or self.draws):
             self.update(trainer, final=True)
 
-# %% ../../nbs/13a_viz_dashboard.ipynb #4ad3a148
-@patch
-def _png_path(self: LiveDashboard, trainer) -> Path:
-    if self.path:
-        return Path(self.path)
-    if getattr(trainer, "run_dir", None) is None:
-        raise ValueError("LiveDashboard outside Jupyter writes a PNG: give path= or a trainer with a run_dir")
-    return Path(trainer.run_dir) / "dashboard.png"
+    def _png_path(self, trainer) -> Path:
+        "Where the PNG goes: `path`, else the trainer's run directory."
+        if self.path:
+            return Path(self.path)
+        if getattr(trainer, "run_dir", None) is None:
+            raise ValueError("LiveDashboard outside Jupyter writes a PNG: give path= or a trainer with a run_dir")
+        return Path(trainer.run_dir) / "dashboard.png"
 
+    def _show(self, fig, status: str, final: bool = False):
+        "Draw into the notebook's widgets (created on the first call); the final frame replaces them with a PNG."
+        import ipywidgets as W
+        from IPython.display import display
 
-@patch
-def _show(self: LiveDashboard, fig, status: str, final: bool = False):
-    "Draw into the notebook's widgets (created on the first call); the final frame replaces them with a PNG."
-    import ipywidgets as W
-    from IPython.display import display
+        if final:  # a static image outlives the kernel: the saved notebook shows it
+            fig.suptitle(status, fontsize=10)
+            if self._handle is None:
+                display(fig)
+            else:
+                self._handle.update(fig)
+                self._view[1].close()
+            self._view = self._handle = None
+            return
+        if self._view is None:
+            self._view = (W.HTML(), W.Output())
+            self._handle = display(W.VBox(list(self._view)), display_id=True)
+        header, out = self._view
+        header.value = f"<b>{html.escape(status)}</b>"
+        if fig is not None:
+            with out:
+                out.clear_output(wait=True)
+                display(fig)
 
-    if final:  # a static image outlives the kernel: the saved notebook shows it
-        fig.suptitle(status, fontsize=10)
-        if self._handle is None:
-            display(fig)
-        else:
-            self._handle.update(fig)
-            self._view[1].close()
-        self._view = self._handle = None
-        return
-    if self._view is None:
-        self._view = (W.HTML(), W.Output())
-        self._handle = display(W.VBox(list(self._view)), display_id=True)
-    header, out = self._view
-    header.value = f"<b>{html.escape(status)}</b>"
-    if fig is not None:
-        with out:
-            out.clear_output(wait=True)
-            display(fig)
+    def update(self, trainer, final: bool = False):
+        "Redraw now (only the status when no row came since the last redraw): the widget in Jupyter, else the PNG."
+        t0 = self.clock()
+        cfg = getattr(trainer, "cfg", None)  # a stand-in trainer may have none
+        eta = self.eta(trainer) if cfg else None
+        status = status_line(self.rows, planned_steps(trainer) if cfg else None, eta, getattr(trainer, "step", None))
+        fig = None
+        if final or len(self.rows) != self._drawn:
+            sections = dict(model=cfg.model, monitor=cfg.monitor, sft=cfg.stage.name == "sft") if cfg else {}
+            fig = dashboard_figure(self.rows, self.warnings(trainer), title="" if self.widget else status, **sections)
+            self._drawn = len(self.rows)
+            self.draws += 1
+        if self.widget:
+            self._show(fig, status, final)
+        elif fig is not None:
+            path = self._png_path(trainer)
+            tmp = save_png(fig, path.with_name(f".{path.stem}.tmp.png"), self.dpi)
+            tmp.replace(path)
+        self._last, self._cost = self.clock(), self.clock() - t0
 
-
-@patch
-def update(self: LiveDashboard, trainer, final: bool = False):
-    "Redraw now (only the status when no row came since the last redraw): the widget in Jupyter, else the PNG."
-    t0 = self.clock()
-    cfg = getattr(trainer, "cfg", None)  # a stand-in trainer may have none
-    eta = self.eta(trainer) if cfg else None
-    status = status_line(self.rows, planned_steps(trainer) if cfg else None, eta, getattr(trainer, "step", None))
-    fig = None
-    if final or len(self.rows) != self._drawn:
-        sections = dict(model=cfg.model, monitor=cfg.monitor, sft=cfg.stage.name == "sft") if cfg else {}
-        fig = dashboard_figure(self.rows, self.warnings(trainer), title="" if self.widget else status, **sections)
-        self._drawn = len(self.rows)
+    def on_reuse(self, run_dir):
+        "Show the final frame of a finished run that `run_once` reused instead of training (its warnings are not kept)."
+        rows, cfg = load_run(run_dir)
+        self.rows, self._drawn = rows, len(rows)
+        status = f"{Path(run_dir)}: finished run reused | " + status_line(
+            rows, None if cfg.schedule.time_budget else cfg.schedule.max_steps
+        )
+        fig = dashboard_figure(
+            rows, None, cfg.model, cfg.monitor, cfg.stage.name == "sft", "" if self.widget else status
+        )
         self.draws += 1
-    if self.widget:
-        self._show(fig, status, final)
-    elif fig is not None:
-        path = self._png_path(trainer)
-        tmp = save_png(fig, path.with_name(f".{path.stem}.tmp.png"), self.dpi)
-        tmp.replace(path)
-    self._last, self._cost = self.clock(), self.clock() - t0
-
-
-@patch
-def on_reuse(self: LiveDashboard, run_dir):
-    "Show the final frame of a finished run that `run_once` reused instead of training (its warnings are not kept)."
-    rows, cfg = load_run(run_dir)
-    self.rows, self._drawn = rows, len(rows)
-    status = f"{Path(run_dir)}: finished run reused | " + status_line(
-        rows, None if cfg.schedule.time_budget else cfg.schedule.max_steps
-    )
-    fig = dashboard_figure(rows, None, cfg.model, cfg.monitor, cfg.stage.name == "sft", "" if self.widget else status)
-    self.draws += 1
-    if self.widget:
-        self._show(fig, status, final=True)
-    else:
-        save_png(fig, self.path or Path(run_dir) / "dashboard.png", self.dpi)
+        if self.widget:
+            self._show(fig, status, final=True)
+        else:
+            save_png(fig, self.path or Path(run_dir) / "dashboard.png", self.dpi)
