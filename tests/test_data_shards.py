@@ -357,3 +357,19 @@ def test_a_stopped_prepare_ends_its_workers_and_leaves_no_temporary_file(tmp_pat
             f"cipher-data: stopped by SIGTERM: the finished shards in {out} are kept; the same command continues"
         ]
         assert list(out.glob(".*.tmp-*")) == []
+
+
+def test_cipher_eval_reads_the_heldout_split_of_a_model_trained_on_shards(prepared, tmp_path):
+    "cipher-eval on a shards-trained export: the held-out documents decoded from the shards, as on the fly."
+    from cipher_nb.data.sources import source_documents
+    from cipher_nb.eval.harness import bits_per_byte, cipher_eval, load_model
+
+    run = tmp_path / "run"
+    r = in_process(*TINY, "data.source=shards", f"data.path={prepared}", "--max-steps", "2", "--out", run, "--quiet")
+    assert r.code == 0, r.err[-2000:]
+    res = cipher_eval(str(run / "final"), docs=4)
+    model, cfg, codec = load_model(run / "final", "cpu")
+    fly = load_config(None, MOCK).data
+    texts = [d[: fly.max_bytes or None] for d in source_documents(fly, "heldout", limit=4)]
+    expected = bits_per_byte(model, codec, texts, cfg.training.seq_len, cfg.training.batch_size)
+    assert res["heldout"] == pytest.approx(expected, rel=1e-6)

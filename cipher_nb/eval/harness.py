@@ -8,7 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_harness.html.md"""
 __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuations', 'load_mc', 'multiple_choice', 'filter_probs',
            'Sampling', 'sampling_of', 'prompt_ids', 'can_cache', 'left_pad', 'stream_batch', 'sample_batch',
            'sample_ids', 'generate', 'generate_batch', 'stream_text', 'load_model', 'mc_protocol', 'mc_entry',
-           'record_benchmark', 'cipher_eval', 'cipher_gate']
+           'record_benchmark', 'heldout_texts', 'cipher_eval', 'cipher_gate']
 
 # %% ../../nbs/12_eval_harness.ipynb #d7db4f55
 import json
@@ -26,6 +26,7 @@ from ..cli import command, refuse
 from ..config.load import ConfigError, config_from_dict
 from ..core import resolve_device
 from ..data.codecs import build_codec
+from ..data.shards import ShardStream
 from ..data.sources import DataError, source_documents
 from ..model.attention import CacheMiss
 from ..model.boundary import check_bp_mode
@@ -396,6 +397,20 @@ def record_benchmark(path, entry: dict) -> Path:
     refresh_card(run / "final")
     return run / "record.json"
 
+# %% ../../nbs/12_eval_harness.ipynb #27bcaa43
+def heldout_texts(data, codec, docs: int) -> list:
+    "Up to `docs` held-out documents of `data` as bytes: decoded from prepared shards, else read from its sources."
+    if data.source != "shards":
+        return [d[: data.max_bytes or None] for d in source_documents(data, "heldout", limit=docs)]
+    stream, out = ShardStream(data.path, "heldout", 0, 1, seed=0, epochs=1), []
+    while len(out) < docs and (ids := stream.next_doc()) is not None:
+        out.append(codec.decode_bytes(ids))  # BOS and EOS dropped: `text_batches` adds them again
+    if not out:
+        raise DataError(
+            f"the prepared shards at {data.path} hold no held-out split: give --docs 0, or prepare them with one"
+        )
+    return out
+
 # %% ../../nbs/12_eval_harness.ipynb #70fffeba
 @command(pos=["path"])
 def cipher_eval(
@@ -423,7 +438,7 @@ def cipher_eval(
         model, cfg, codec = load_model(path, device)
         res = {}
         if docs:
-            texts = [d[: cfg.data.max_bytes or None] for d in source_documents(cfg.data, "heldout", limit=docs)]
+            texts = heldout_texts(cfg.data, codec, docs)
             res["heldout"] = bits_per_byte(model, codec, texts, cfg.training.seq_len, cfg.training.batch_size)
             print(
                 f"held-out: {res['heldout']['val/bpb']:.4f} bits per byte, "
