@@ -11,15 +11,17 @@ __all__ = ['HF_ARCHITECTURES', 'HF_LATENT_NORM_EPS', 'FORMATS', 'UnmappableConfi
 
 # %% ../../nbs/12b_persist_hf.ipynb #16c06d7f
 import copy
+import errno
 import json
 import operator
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 from fastcore.script import CliError
 
-from ..cli import command, refuse
+from ..cli import EXIT_FAILED, command, refuse
 from ..config.load import ModelConfig
 from ..data.codecs import SPECIALS, ByteCodec, byte_alphabet, special_token
 from .export import CARD_FILE, CHAT_TEMPLATE_FILE, export_dir, load
@@ -390,5 +392,13 @@ def cipher_export(
         refuse(cipher_export, e)
     except RuntimeError as e:
         raise CliError(f"cipher-export: {e}") from None
+    except OSError as e:  # FileNotFoundError is a missing input, above; this is OUT that cannot be written
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(
+                f"cipher-export: the disk of {out} is full: nothing was written there; free space and run it again",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+        refuse(cipher_export, f"cannot write {out} ({e.strerror}): choose a folder you can write")
     print(f"cipher-export: {arch} written to {out} (AutoModelForCausalLM.from_pretrained('{out}'))")
     return arch
