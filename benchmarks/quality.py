@@ -19,8 +19,7 @@ Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `-
   moe+bp     the MoE with the byte-level boundary predictor (model.boundary.enabled=true)
   recurrent  the MoE with a recurrent-depth core: 1 prelude layer, n_layers - 2 core layers looped twice, 1 coda layer
   dense+muon, moe+muon  dense / moe trained with optim.name=muon (Muon for the hidden matrices, AdamW for the rest)
-  moe+muonx  moe+muon with the routed experts on Muon too, one matrix per expert
-             (cipher_nb.optim.optimizers.MUON_EXPERTS)
+  moe+muonx  moe+muon with the routed experts on Muon too, one matrix per expert (optim.muon_experts=true)
   recurrent+act, +lti, +lora, +engram  the recurrent contender with one piece of the recurrent byte model on: ACT
              halting, the stable LTI injection, per-loop LoRA (rank 4), Engram memory read by every core layer;
              pieces combine (recurrent+act+engram)
@@ -106,7 +105,8 @@ def contender_overrides(name: str, cfg) -> list:
     if name == "moe+bp":
         return ["model.boundary.enabled=true"]
     if name in ("dense+muon", "moe+muon", "moe+muonx"):
-        return [*contender_overrides(name.split("+")[0], cfg), "optim.name=muon"]
+        experts = ["optim.muon_experts=true"] if name == "moe+muonx" else []
+        return [*contender_overrides(name.split("+")[0], cfg), "optim.name=muon", *experts]
     if name == "moe+sp":  # shared-projection experts: one shared SwiGLU of twice an expert's width, rank-16 factors
         return ["model.moe.kind=shared_projection", f"model.moe.shared_inter={2 * m.moe.expert_d_ff}"]
     if name == "mla":  # latent attention in place of grouped-query attention, at the same head count and width
@@ -165,9 +165,6 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     else:
         plan = [f"schedule.max_steps={steps}"]
     cfg = load_config(a.config, [*over, *plan])
-    import cipher_nb.optim.optimizers
-
-    cipher_nb.optim.optimizers.MUON_EXPERTS = name == "moe+muonx"  # read when the trainer builds its optimizer
     tr = build_trainer(cfg, run_dir, progress=False)
     tr.schedule.clock = time.process_time if a.clock == "cpu" else time.perf_counter
     tr.checkpoints = tr.record = tr.monitor = None

@@ -139,7 +139,11 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     }
     changed = {k for k, v in asdict(p.training).items() if v != asdict(d.training)[k]}
     assert changed == {"batch_size", "seq_len", "eval_batches"}, changed
-    assert {k for k, v in asdict(p.schedule).items() if v != asdict(d.schedule)[k]} == {"time_budget"}
+    # the budget sets the horizon; written without schedule.max_steps, it has no cap (max_steps 0)
+    assert {k: v for k, v in asdict(p.schedule).items() if v != asdict(d.schedule)[k]} == {
+        "time_budget": "90s",
+        "max_steps": 0,
+    }
     assert p.optim.name == "muon" and {k for k, v in asdict(p.optim).items() if v != asdict(d.optim)[k]} == {"name"}
 
 

@@ -160,7 +160,7 @@ def test_cipher_config_plans_in_epochs_of_the_prepared_tokens_and_refuses_a_budg
     budget = f"training.target_tokens={2 * train}"
     r = run_in_process(cipher_config, preset, *TINY, *shards, budget, "--gpus", "2", pos=["path"])
     steps = 2 * train // (2 * 2 * 64)  # 2 ranks x 2 windows x 64 tokens a step
-    plan = f"# plan at 2 rank(s): {steps:,} steps (training.target_tokens = {2 * train:,}) x 256 tokens"
+    plan = f"# plan at 2 rank(s): {steps:,} steps (schedule.target_tokens = {2 * train:,}) x 256 tokens"
     assert r.returncode == 0 and plan in r.stdout, r.stdout[-500:]
     assert f", {steps * 256 / train:.2f} epochs of {train:,}" in r.stdout
     r = run_in_process(cipher_config, preset, *TINY, "training.target_tokens=1000", "--gpus", "8", pos=["path"])
@@ -177,12 +177,12 @@ def test_a_refinement_is_planned_as_one_pass_over_the_prepared_tokens(prepared):
     shards = ["data.source=shards", f"data.path={prepared}", "schedule.max_steps=100000", "training.epochs=1"]
     r = run_in_process(cipher_config, preset, *TINY, *shards, "--gpus", "2", pos=["path"])
     steps = train // (2 * 2 * 64)  # one pass at 2 ranks x 2 windows x 64 tokens a step
-    assert r.returncode == 0 and f"# plan at 2 rank(s): {steps:,} steps (training.epochs = 1) x 256" in r.stdout, (
+    assert r.returncode == 0 and f"# plan at 2 rank(s): {steps:,} steps (schedule.epochs = 1) x 256" in r.stdout, (
         r.stdout
     )
     assert f", {steps * 256 / train:.2f} epochs of {train:,}" in r.stdout
     r = run_in_process(cipher_config, preset, *TINY, "training.epochs=1", pos=["path"])  # on the fly: no count
-    assert r.returncode == 2 and "training.epochs counts passes over prepared shards" in r.stderr, r.stderr
+    assert r.returncode == 2 and "schedule.epochs counts passes over prepared shards" in r.stderr, r.stderr
 
 
 def test_a_loader_over_shards_resumes_exactly(prepared):

@@ -29,6 +29,34 @@ def test_preset_builds_on_meta_with_its_counted_parameters(path):
     assert sum(p.numel() for p in model.parameters()) == param_counts(cfg.model)["total"], path.name
 
 
+GPU_PRESETS = [p for p in PRESETS if "h100" in p.stem]
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS, ids=lambda p: Path(p).stem)
+def test_sft_on_a_gpu_preset_takes_the_guides_schedule_and_names_what_it_replaced(path):
+    "`PRESET stage.name=sft` (launch/'s stage 3): the training-stage guide's SFT schedule, not the preset's."
+    from conftest import run_in_process
+
+    from cipher_nb.config.sizing import cipher_config
+
+    preset = load_config(path)
+    cfg = load_config(path, ["stage.name=sft"])
+    s, t = cfg.schedule, cfg.training
+    assert (s.lr, s.min_lr, s.epochs, s.warmup_frac, s.warmup_steps, s.max_steps) == (2e-5, 0.0, 3, 0.03, 0, 0)
+    assert (t.eval_every, t.checkpoint_every, t.eval_at_start) == (0, 0, True)  # an evaluation and a save per epoch
+    assert cfg.model == preset.model and cfg.optim == preset.optim  # the stage replaces its own keys only
+    r = run_in_process(cipher_config, str(path), "stage.name=sft", pos=["path"])
+    assert r.returncode == 0, r.stderr
+    said = next(line for line in r.stdout.splitlines() if line.startswith("# stage sft replaces the preset's "))
+    for key in ("schedule.lr", "schedule.max_steps", "schedule.warmup_steps", "training.eval_every"):
+        was = repr(eval(f"preset.{key}"))
+        assert f"{key} {was} -> " in said, (key, said)
+    assert f"schedule.lr {preset.schedule.lr!r} -> 2e-05" in said
+    r = run_in_process(cipher_config, str(path), "stage.name=sft", "schedule.lr=1e-5", pos=["path"])
+    assert "schedule.lr" not in next(x for x in r.stdout.splitlines() if x.startswith("# stage"))  # given for it
+    assert "lr: 1.0e-05" in r.stdout
+
+
 def test_flexitokens_h100_has_the_training_scripts_shapes():
     m = load_config(ROOT / "examples/configs/flexitokens-h100.yaml").model
     r, e = m.recurrence, m.moe

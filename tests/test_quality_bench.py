@@ -135,7 +135,7 @@ def test_muon_contenders_add_the_optimizer_to_their_base():
     cfg = Config()
     assert quality.contender_overrides("moe+muon", cfg) == ["optim.name=muon"]
     assert quality.contender_overrides("dense+muon", cfg) == ["model.moe.n_routed=0", "optim.name=muon"]
-    assert quality.contender_overrides("moe+muonx", cfg) == ["optim.name=muon"]  # the experts on Muon when built
+    assert quality.contender_overrides("moe+muonx", cfg) == ["optim.name=muon", "optim.muon_experts=true"]
 
 
 def test_heldout_rows_at_the_trained_length_cover_the_same_bytes():

@@ -108,7 +108,7 @@ def test_role_groups_are_the_old_name_groups(case):
     assert groups() == old_groups(model, cfg)
     hidden, stacked = muon_names(model, cfg.optim.lr_mult), muon_names(model, cfg.optim.lr_mult, ndim=3)
     assert hidden == old_muon(model, cfg, 2) and stacked == old_muon(model, cfg, 3)
-    for on_muon in (set(hidden), set(hidden + stacked)):  # MUON_EXPERTS off and on
+    for on_muon in (set(hidden), set(hidden + stacked)):  # optim.muon_experts off and on
         assert groups(on_muon) == old_groups(model, cfg, on_muon)
     name = {id(p): n for n, p in model.named_parameters()}
     named = list(name.values())

@@ -86,7 +86,8 @@ def sft_run(chain):
 def test_chain_sft_improves_on_its_source(sft_run, capsys):
     rows = csv_rows(sft_run)
     cfg = yaml.safe_load((sft_run / "config.yaml").read_text())
-    spe = cfg["training"]["eval_every"]  # SFTHooks.config: one evaluation per epoch
+    rec = json.loads((sft_run / "record.json").read_text())
+    spe = rec["schedule"]["max_steps"] // 2  # two epochs (schedule.epochs, given as the old sft.epochs)
     assert [int(r["step"]) for r in rows] == [0, spe, 2 * spe]  # the source checkpoint, then every epoch
     losses = [float(r["val/loss"]) for r in rows]
     with capsys.disabled():
@@ -95,18 +96,29 @@ def test_chain_sft_improves_on_its_source(sft_run, capsys):
     for step in (spe, 2 * spe):
         assert (sft_run / f"checkpoints/step_{step:07d}/COMPLETE").exists()
     assert (sft_run / "checkpoints/best/COMPLETE").exists() and (sft_run / "final/model.safetensors").exists()
-    rec = json.loads((sft_run / "record.json").read_text())
     assert rec["stage"] == "sft" and rec["mode"] == "full" and rec["source_checkpoint"]["stage"] == "refinement"
     assert any(n.startswith("sft data stdlib-qa") for n in rec["limitations"])
     assert [e["step"] for e in rec["evals"]] == [0, spe, 2 * spe] and rec["selection_rule"]
-    assert (
-        cfg["schedule"]["lr"] == 2e-3 and cfg["schedule"]["max_steps"] == 2 * spe and cfg["training"]["eval_at_start"]
+    s, t = cfg["schedule"], cfg["training"]  # the config as asked: the stage derives its steps, never writes them
+    assert (s["lr"], s["epochs"], s["max_steps"], t["eval_every"], t["eval_at_start"]) == (2e-3, 2, 0, 0, True)
+    assert rec["schedule"]["set_by"] == "schedule.epochs = 2" and rec["schedule"]["warmup_steps"] == round(
+        0.03 * 2 * spe
     )
 
 
 def test_pretrain_to_sft_is_refused(chain, tmp_path):
     r = refused(tmp_path / "bad", "--stage", "sft", "--init", str(chain / "pretrain/final"), *SFT)
     assert r.returncode != 0 and "pretrain -> sft is refused" in r.stderr
+
+
+def test_a_key_sft_derives_is_refused_naming_the_one_to_set(tmp_path):
+    "SFT's steps and cadence follow from schedule.epochs: setting them for the stage is refused before anything runs."
+    for key in ("schedule.max_steps=5", "training.eval_every=10"):
+        r = refused(tmp_path / "run", "--stage", "sft", "--init", str(tmp_path / "none"), *SFT, key)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert f"{key.replace('=', ' = ')}: stage sft derives it" in lines[0] and "set schedule.epochs" in lines[0]
+    assert not (tmp_path / "run").exists()
 
 
 def test_full_parameter_state_refuses_a_lora_resume(sft_run):

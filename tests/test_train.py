@@ -257,6 +257,28 @@ def test_a_time_budget_plans_the_steps_and_records_them(tmp_path):
     assert f"parameters: {rec['parameters']['total']:,} total" in r.stderr
 
 
+def test_a_cap_that_cuts_a_token_budget_says_by_how_much(tmp_path):
+    """schedule.max_steps beside a token budget caps it: the start of the run and the record say what it cut. A budget
+    shorter than the warmup shortens it, and says so; two budgets are refused. Worked by hand: 2 windows x 64 tokens a
+    step, so 1,280 tokens buy 10 steps, and a cap of 4 trains 40.0% of them; a warmup of 30 in 10 steps becomes 1."""
+    tiny = [*TINY, "data.source=mock", "training.eval_batches=1", "schedule.target_tokens=1280"]
+    run = tmp_path / "capped"
+    r = train_in_process(run, *tiny, "schedule.max_steps=4", "schedule.warmup_steps=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    cut = "schedule.max_steps = 4 caps schedule.target_tokens = 1,280 (10 steps): the run trains 4 steps, 40.0% of the"
+    assert (
+        f"cipher-train: warning: {cut}" in r.stderr and "training 4 steps (schedule.target_tokens = 1,280)" in r.stderr
+    )
+    sched = json.loads((run / "record.json").read_text())["schedule"]
+    assert (sched["budget_steps"], sched["max_steps"]) == (10, 4) and sched["warnings"][0].startswith(cut), sched
+    r = train_in_process(tmp_path / "short", *tiny, "schedule.warmup_steps=30")
+    warmup = "the warmup (30 steps) does not fit in the 10 steps of schedule.target_tokens = 1,280: shortened to 1"
+    assert r.returncode == 0 and warmup in r.stderr and "training 10 steps" in r.stderr, r.stderr[-2000:]
+    r = train_in_process(tmp_path / "both", *tiny, "--time-budget", "8s")
+    assert r.returncode == 2 and "schedule.target_tokens and schedule.time_budget are both set" in r.stderr
+    assert not (tmp_path / "both").exists()
+
+
 def yaml_max_steps(run) -> int:
     import yaml
 

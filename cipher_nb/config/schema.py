@@ -7,10 +7,10 @@ Docs: https://cipher-nb.github.io/cipher_nb/config_schema.html.md"""
 # %% auto #0
 __all__ = ['RouterScore', 'MoEKernel', 'MoEImpl', 'AttnKernel', 'AttnImpl', 'ActCheckpoint', 'MoEKind', 'Injection', 'AttnKind',
            'CausalBPMode', 'BPMode', 'BPLoss', 'Source', 'Codec', 'Precision', 'FP8Recipe', 'Parallel', 'OptimName',
-           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'Role', 'AT_LEAST', 'cosmetic', 'list_field', 'dict_field',
-           'AttentionConfig', 'MoEConfig', 'RecurrenceConfig', 'EngramConfig', 'BoundaryConfig', 'ModelConfig',
-           'DataConfig', 'TrainConfig', 'ScheduleConfig', 'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig',
-           'WandbConfig', 'LoggingConfig', 'Config']
+           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'Role', 'AT_LEAST', 'STAGE_DEFAULTS', 'STAGE_DERIVED',
+           'cosmetic', 'list_field', 'dict_field', 'AttentionConfig', 'MoEConfig', 'RecurrenceConfig', 'EngramConfig',
+           'BoundaryConfig', 'ModelConfig', 'DataConfig', 'TrainConfig', 'ScheduleConfig', 'OptimConfig', 'StageConfig',
+           'MonitorConfig', 'SFTConfig', 'WandbConfig', 'LoggingConfig', 'Config']
 
 # %% ../../nbs/00a_config_schema.ipynb #7cfa6261
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -162,7 +162,7 @@ class ModelConfig:
     vocab: int = 272  # 256 bytes + 16 specials; 32768 for the token-level H100 preset
     d_model: int = 128
     n_layers: int = 4  # main layers (with recurrence: n_prelude + n_core + n_coda)
-    d_ff: int = 0  # dense SwiGLU width; 0 = same active width as the MoE, (top_k + n_shared) * expert_d_ff
+    d_ff: int = 0  # dense SwiGLU width; 0 = the MoE's active width, (top_k + n_shared) * expert_d_ff (named at start)
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -220,8 +220,6 @@ class TrainConfig:
     seq_len: int = 256
     batch_size: int = 16
     grad_accum: int = 1
-    target_tokens: int = 0  # tokens to train on: steps = this // tokens per global batch (0 = schedule.max_steps)
-    epochs: float = 0.0  # or passes over the prepared shards' training tokens (their manifest's count); 0 = off
     precision: Precision = "auto"
     fp8_recipe: FP8Recipe = "rowwise"  # torchao float8 scaling for fp8
     seed: int = 0
@@ -233,10 +231,10 @@ class TrainConfig:
     fp8_min_dim: int = 2048  # fp8 converts a linear only when its in and out features both reach this
     max_nonfinite: int = 5  # consecutive skipped steps before the run stops
     eval_batches: int = 48  # held-out batches per evaluation (tiny-cpu: the whole stdlib held-out split)
-    eval_at_start: bool = False  # also evaluate before the first step (SFT: the source checkpoint)
+    eval_at_start: bool = False  # also evaluate before the first step (SFT's default: the source checkpoint)
     early_stop_patience: int = 0  # evaluations without a lower val/loss before the run ends (best/ exported); 0 = off
-    checkpoint_every: int = cosmetic(400)
-    eval_every: int = cosmetic(400)
+    checkpoint_every: int = cosmetic(400)  # 0 = none by step count (the final one; SFT: one per epoch)
+    eval_every: int = cosmetic(400)  # 0 = none by step count (at the last step; SFT: one per epoch)
     log_every: int = cosmetic(10)
     keep_last: int = cosmetic(3)
     out_dir: str = cosmetic("runs")
@@ -247,13 +245,16 @@ class TrainConfig:
 # %% ../../nbs/00a_config_schema.ipynb #ecb29891
 @dataclass
 class ScheduleConfig:
-    "The run's horizon and learning rate: a step count or a time budget, a warmup, then a cosine from lr to min_lr."
+    "The run's horizon (one of steps, tokens, epochs or time), its warmup, then a cosine from lr to min_lr."
 
-    lr: float = 1e-3  # the peak learning rate (AdamW's; Muon's hidden matrices take optim.muon_lr)
-    min_lr: float = 1e-4  # where the cosine ends
+    lr: float = 1e-3  # the peak learning rate (AdamW's; Muon's hidden matrices peak at optim.muon_lr)
+    min_lr: float = 1e-4  # where the cosine ends (Muon's group: min_lr / lr of its own peak)
     warmup_steps: int = 30
-    max_steps: int = 1600  # with time_budget: the most steps the budget may buy
+    max_steps: int = 1600  # the horizon in steps; beside a tokens, epochs or time budget, its cap (0 = none)
     time_budget: str = ""  # training time to spend, e.g. 90s, 8m, 2h: the step count is planned to fit it
+    target_tokens: int = 0  # a token budget: steps = this // tokens per global batch; 0 = none
+    epochs: float = 0.0  # passes over the prepared shards' training tokens, or over SFT's examples; 0 = none
+    warmup_frac: float = 0.0  # or the warmup as a share of the planned steps (SFT: 0.03); 0 = warmup_steps
 
 # %% ../../nbs/00a_config_schema.ipynb #a74d80e9
 @dataclass
@@ -269,8 +270,12 @@ class OptimConfig:
     decay_all: bool = False  # False: no weight decay on norms, biases and embeddings
     lr_mult: dict = dict_field(boundary=0.1, memory=5.0)  # parameter role -> learning-rate multiplier
     clip_groups: dict = dict_field(routed_expert=0.5)  # parameter role -> tighter gradient clip
-    muon_lr: float = 0.02  # name = muon: the learning rate of the hidden 2-D matrices Muon trains
+    muon_lr: float = 0.02  # name = muon: the peak rate of the hidden 2-D matrices Muon trains, in the schedule's shape
     muon_momentum: float = 0.95
+    muon_weight_decay: float = (
+        0.005  # Muon's own: a step shrinks its matrices by its rate x this (as AdamW's 0.1 at 1e-3)
+    )
+    muon_experts: bool = False  # Muon (one matrix per expert) for the routed experts' 3-D weights; False: AdamW
     bp_freeze_steps: int = -1  # steps with the boundary predictor frozen; -1 = warmup_steps
     ema: float = 0.0  # decay of an average of the weights that is evaluated and exported (e.g. 0.999); 0 = off
 
@@ -317,8 +322,6 @@ class SFTConfig:
         0  # 0 = every training example; N keeps the first N (quick runs; the held-out set stays whole)
     )
     chat_template: str = ""  # '' = the codec's role and end-of-turn specials; a .jinja file or tokenizer_config.json
-    epochs: int = 3  # the SFT horizon: schedule.max_steps is epochs x steps per epoch (its rate: schedule.lr)
-    warmup_frac: float = 0.03  # schedule.warmup_steps as a fraction of all SFT steps
     lora_rank: int = 0  # 0 = full-parameter
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -362,15 +365,15 @@ class Config:
 
 # %% ../../nbs/00a_config_schema.ipynb #a71ea57b
 AT_LEAST = {  # field -> (the least value that works, what the field counts)
-    "schedule.max_steps": (1, "optimizer steps to train (with schedule.time_budget: the most the budget may buy)"),
+    "schedule.max_steps": (0, "optimizer steps to train (beside a budget: the most it may buy; 0 = no cap)"),
     "schedule.warmup_steps": (0, "steps of learning-rate warmup (0 = none)"),
     "training.seq_len": (2, "tokens per window: one input and one target at least"),
     "training.batch_size": (1, "windows per micro-batch"),
     "training.grad_accum": (1, "micro-batches per optimizer step"),
-    "training.target_tokens": (0, "tokens to train on (0 = the steps of schedule.max_steps)"),
+    "schedule.target_tokens": (0, "tokens to train on (0 = no token budget)"),
     "training.log_every": (1, "steps between logged rows"),
-    "training.eval_every": (1, "steps between held-out evaluations"),
-    "training.checkpoint_every": (1, "steps between checkpoints"),
+    "training.eval_every": (0, "steps between held-out evaluations (0 = at the last step, and SFT's epochs)"),
+    "training.checkpoint_every": (0, "steps between checkpoints (0 = the final one, and SFT's epochs)"),
     "training.eval_batches": (1, "held-out batches per evaluation (data.heldout_frac=0 turns evaluation off)"),
     "training.keep_last": (0, "step checkpoints kept (0 keeps every one)"),
     "training.max_nonfinite": (1, "non-finite steps in a row before the run stops"),
@@ -413,7 +416,28 @@ AT_LEAST = {  # field -> (the least value that works, what the field counts)
     "data.shuffle_buffer": (0, "documents drawn at random from (0 = row order)"),
     "monitor.gate_steps": (1, "steps the gate's loss check covers"),
     "monitor.overfit_patience": (1, "validation rises in a row before a warning"),
-    "sft.epochs": (1, "passes over the SFT examples"),
     "sft.max_train_examples": (0, "SFT examples kept (0 keeps every one)"),
     "sft.lora_rank": (0, "the LoRA rank (0 = full-parameter)"),
+}
+
+# %% ../../nbs/00a_config_schema.ipynb #362bfc65
+STAGE_DEFAULTS = {  # what a stage starts from instead of a pretraining preset's schedule and cadence
+    # the training-stage guide: three epochs at 2e-5, 3% warmup, one cosine across them, evaluated and saved per epoch
+    "sft": {
+        "schedule": dict(lr=2e-5, min_lr=0.0, warmup_steps=0, warmup_frac=0.03, max_steps=0, epochs=3)
+        | dict(target_tokens=0, time_budget=""),
+        "training": dict(eval_every=0, checkpoint_every=0, eval_at_start=True, early_stop_patience=0),
+    },
+    "refinement": {},  # the preset's schedule for now; one pass over the pretraining data (issue 51) goes here
+}
+
+
+STAGE_DERIVED = {  # stage -> {key it derives: how}; each is set through schedule.epochs
+    "sft": {
+        "schedule.max_steps": "its steps are the epochs x the steps an epoch of its packed examples takes",
+        "schedule.target_tokens": "its horizon is passes over its examples",
+        "schedule.time_budget": "its horizon is passes over its examples",
+        "training.eval_every": "it evaluates at the end of every epoch",
+        "training.checkpoint_every": "it saves a checkpoint at the end of every epoch",
+    },
 }

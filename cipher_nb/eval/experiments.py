@@ -220,7 +220,7 @@ def step_costs(cfgs: dict, rounds: int = 5, round_steps: int = 2, clock=time.pro
 
 # %% ../../nbs/12a_eval_experiments.ipynb #5ea896f8
 PLAN_UNITS = {"steps": "steps", "tokens": "tokens", "time": "seconds"}  # what each plan's budget counts
-PLAN_KEYS = ("schedule.max_steps", "schedule.time_budget", "training.target_tokens", "training.epochs")
+PLAN_KEYS = ("schedule.max_steps", "schedule.time_budget", "schedule.target_tokens", "schedule.epochs")
 PLAN_FILE = "plan.json"
 
 
@@ -280,8 +280,8 @@ def plan_overrides(plan: str, amount, steps: int) -> list:
     return [
         f"schedule.max_steps={steps}",
         "schedule.time_budget=",
-        f"training.target_tokens={tokens}",
-        "training.epochs=0",
+        f"schedule.target_tokens={tokens}",
+        "schedule.epochs=0",
     ]
 
 # %% ../../nbs/12a_eval_experiments.ipynb #217e9893

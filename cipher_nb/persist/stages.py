@@ -191,9 +191,10 @@ class StageHooks:
     "What a stage changes in a run; the default (pretrain, refinement) changes nothing."
 
     cfg: Config = None  # the config the run uses: set by `config`, read by the other hooks
+    steps_per_epoch: int = 0  # a stage whose epochs are passes over its own data (SFT) counts them in `config`
 
     def config(self, cfg: Config) -> Config:
-        "The config the run uses (SFT: epochs into steps, its own learning rate); the other hooks read it."
+        "Read the config the run uses (SFT: counts its steps per epoch); the other hooks read it, none rewrites it."
         self.cfg = cfg
         return cfg
 

@@ -40,6 +40,7 @@ from cipher_nb.config.load import (
     read_preset,
     runbook_warnings,
     save_config,
+    stage_config,
 )
 from ..config.sizing import flops_per_token, param_counts
 from ..core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
@@ -275,7 +276,7 @@ def build_trainer(
     optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
     average = weight_average(getattr(wrapped, "module", wrapped), cfg.optim)  # optim.ema > 0: fp32, sharded as trained
     # the horizon's one owner: the trainer, its curriculum and the loader's read it
-    plan = Schedule.for_run(cfg, env.world_size)
+    plan = Schedule.for_run(cfg, env.world_size, steps_per_epoch=hooks.steps_per_epoch)
     loader, heldout = hooks.data(env.rank, env.world_size, plan)
     if not heldout and env.is_main:
         print(NO_HELDOUT, file=sys.stderr)
@@ -295,6 +296,7 @@ def build_trainer(
         run_name=run_dir.name,
     )
     record.parameters = params
+    record.schedule.update(plan.report())  # what sets the horizon, what it buys, what a cap cut
     record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
     record.data.update(heldout_size(heldout))  # the card's limits name the held-out size (or its absence)
     record.kernels = dict(
@@ -436,7 +438,7 @@ def resolve_run(
     if config is None and resume and out and (Path(out) / "config.yaml").exists():
         config = str(Path(out) / "config.yaml")
     overrides = [*overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)]
-    asked = apply_overrides({} if config is None else read_preset(config), overrides)  # read once, validated once
+    asked, _ = stage_config({} if config is None else read_preset(config), overrides)  # read once, validated once
     plan, derived = {**asdict(ScheduleConfig()), **(asked.get("schedule") or {})}, []
     # a short run asked for on the command line: shorten the warmup to fit, and say so (validation refuses < 1)
     warmup = int(plan["warmup_steps"])

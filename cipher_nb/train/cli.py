@@ -29,6 +29,7 @@ from cipher_nb.config.load import (
     ConfigError,
     load_config,
 )
+from ..config.sizing import dense_width_lines
 from ..core import dist_env, resolve_device
 from ..data.codecs import tokenizer_command
 from ..data.sources import DataError
@@ -221,10 +222,15 @@ def cipher_train(
             exit_with(EXIT_USAGE, str(e))
         if trainer.is_main:
             print(parameter_line(trainer.record.parameters), file=sys.stderr)
-            for w in trainer.record.warnings:  # the runbook's guard rails this run breaks: warned, not refused
+            plan = trainer.schedule  # what a cap or a short budget changed in it, said before the first step
+            for w in [*trainer.record.warnings, *plan.notes]:  # the runbook's guard rails, a cut budget: not refused
                 print(f"cipher-train: warning: {w}", file=sys.stderr)
-            n, budget = trainer.schedule.horizon, cfg.schedule.time_budget
-            what = f"{n} steps" if n else f"for {budget} (the steps are planned from their measured cost)"
+            for line in dense_width_lines(cfg.model):
+                print(f"cipher-train: note: {line}", file=sys.stderr)
+            n, budget = plan.horizon, cfg.schedule.time_budget
+            what = (
+                f"{n} steps ({plan.source})" if n else f"for {budget} (the steps are planned from their measured cost)"
+            )
             print(f"training {what}, run directory: {run_dir}", file=sys.stderr)
         trainer.fit(progress=not quiet, reraise=False)
         stop.at_once = False  # the run is over: nothing left to stop

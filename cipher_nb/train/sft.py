@@ -12,7 +12,6 @@ __all__ = ['Example', 'supervised_turns', 'render_conversation', 'ChatTemplate',
 
 # %% ../../nbs/11_train_sft.ipynb #5576dcdb
 import bisect
-import copy
 import csv
 import hashlib
 import json
@@ -26,7 +25,7 @@ import torch.nn as nn
 
 import cipher_nb.persist.files as ck
 from ..callbacks import Callback
-from ..config.load import Config, ConfigError, SFTConfig, validate
+from ..config.load import Config, ConfigError, SFTConfig
 from ..core import dist_env
 from ..data.codecs import ByteCodec, build_codec
 from ..data.conversations import load_conversations, read_utf8, stdlib_qa
@@ -414,18 +413,10 @@ class SFTHooks(StageHooks):
         check_mode(meta, self.cfg.sft)
 
     def config(self, cfg: Config) -> Config:
-        "Epochs into steps, an evaluation and a checkpoint at each epoch; the other hooks read the config returned."
-        self.cfg = cfg = copy.deepcopy(cfg)  # the SFT data come from sections this rewrite leaves as they are
-        t, s, plan = cfg.training, cfg.sft, cfg.schedule
+        "The config as it is; counts the steps an epoch of the packed examples takes, for the run's `Schedule`."
+        self.cfg, t = cfg, cfg.training
         per_step = t.batch_size * t.grad_accum * dist_env().world_size
         self.steps_per_epoch = math.ceil(len(self._arrays("train")["input_ids"]) / per_step)
-        plan.max_steps = self.steps_per_epoch * s.epochs  # the horizon in epochs; the rate is the preset's schedule.lr
-        plan.warmup_steps = min(round(s.warmup_frac * plan.max_steps), plan.max_steps - 1)
-        t.eval_every = t.checkpoint_every = self.steps_per_epoch
-        t.eval_at_start = True
-        if s.lora_rank:
-            cfg.model.moe.bias_gamma = 0.0
-        self.cfg = validate(cfg)
         return cfg
 
     def data(self, rank: int, world_size: int, plan=None) -> tuple:
@@ -476,7 +467,7 @@ class SFTHooks(StageHooks):
         return out
 
     def callbacks(self, run_dir) -> list:
-        return [SFTCallback(run_dir, self.steps_per_epoch, self.notes())]
+        return [SFTCallback(run_dir, self.steps_per_epoch, self.notes())]  # evaluates and saves at every epoch
 
 # %% ../../nbs/11_train_sft.ipynb #c39401fa
 class SFTCallback(Callback):
@@ -519,6 +510,13 @@ class SFTCallback(Callback):
 
     def before_step(self, trainer):
         self._start(trainer)
+
+    def after_step(self, trainer):
+        "At an epoch's end before the last step: evaluate (a row of its own) and save an epoch checkpoint."
+        if trainer.step % self.steps_per_epoch or trainer.step >= trainer.schedule.max_steps:
+            return
+        trainer.log({"step": trainer.step, "tokens": trainer.tokens, **trainer.evaluate()})
+        trainer.save("epoch")
 
     def on_eval(self, trainer, metrics: dict):
         self._start(trainer)

@@ -472,7 +472,7 @@ class Trainer:
     # the loop
     def due(self, every: int) -> bool:
         "Whether a cadence of `every` optimizer steps falls on this step (the last step always does)."
-        return self.step % every == 0 or self.step == self.schedule.max_steps
+        return (every > 0 and self.step % every == 0) or self.step == self.schedule.max_steps  # 0: the last only
 
     def passes(self) -> int:
         "Complete passes over the prepared training tokens so far (0 when their count is not known)."
@@ -521,7 +521,7 @@ class Trainer:
                     self.save("emergency")
                     break
                 ended, passes = self.passes() > passes, self.passes()
-                if (ended or self.step % t.checkpoint_every == 0) and self.step < plan.max_steps:
+                if (ended or self.due(t.checkpoint_every)) and self.step < plan.max_steps:
                     with paused(bar):
                         self.save("epoch" if ended else "step")
             bar.close()
