@@ -193,11 +193,10 @@ CONFIG = [
     usage("unknown choice", *TINY, "training.precision=fp7", says="training.precision = 'fp7': choose one of"),
     usage("negative steps", *TINY, "--max-steps", "-3", says="schedule.max_steps"),
     usage("zero steps", *TINY, "schedule.max_steps=0", says="schedule.max_steps"),
-    usage(
-        "checkpoint_every 0", *TINY, "--max-steps", "4", "training.checkpoint_every=0", says="training.checkpoint_every"
-    ),
+    usage("a negative gradient clip", *TINY, "optim.grad_clip=-1", says="optim.grad_clip (-1.0) must lie in (0, inf)"),
+    usage("an endless epoch budget", *TINY, "schedule.epochs=inf", says="schedule.epochs (inf) must lie in [0, inf)"),
+    usage("a negative balancing rate", *TINY, "model.moe.bias_gamma=-1e-3", says="model.moe.bias_gamma (-0.001)"),
     usage("log_every 0", *TINY, "--max-steps", "4", "training.log_every=0", says="training.log_every"),
-    usage("eval_every 0", *TINY, "--max-steps", "4", "training.eval_every=0", says="training.eval_every"),
     usage("batch_size 0", *TINY, "--max-steps", "4", "training.batch_size=0", says="training.batch_size"),
     usage("grad_accum 0", *TINY, "--max-steps", "4", "training.grad_accum=0", says="training.grad_accum"),
     usage("a bad --fault spec", *TINY, "--max-steps", "2", "--fault", "explode@3", says="--fault 'explode@3'"),
@@ -236,6 +235,27 @@ CONFIG += [
         2,
         "cannot write there",
     ),
+]
+
+
+def _cadence_zero(key):
+    def run(tmp, base):
+        return in_process("--out", tmp / "run", "--quiet", *TINY, "--max-steps", "4", f"training.{key}=0")
+
+    return run
+
+
+def _only_final(tmp):
+    assert [p.name for p in (tmp / "run/checkpoints").glob("step_*")] == ["step_0000004"]  # the final one
+
+
+def _one_evaluation(tmp):
+    assert [r["step"] for r in rows(tmp / "run") if "val/loss" in r] == [4]  # at the last step only
+
+
+CONFIG += [  # a cadence of 0 means "at the last step only"
+    Case("checkpoint_every 0", _cadence_zero("checkpoint_every"), 0, "run finished", _only_final, False),
+    Case("eval_every 0", _cadence_zero("eval_every"), 0, "run finished", _one_evaluation, False),
 ]
 
 # ------------------------------------------------------------------------------------------------------------ data

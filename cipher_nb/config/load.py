@@ -315,10 +315,13 @@ def _check_values(section, name: str):
 
 # %% ../../nbs/01_config_load.ipynb #e590598e
 def _check_bounds(values: dict):
-    "Raise a `ConfigError` for an integer of `values` (path -> value) below its bound in `AT_LEAST`."
+    "Raise a `ConfigError` for a value of `values` (path -> value) outside its bound in `AT_LEAST` or `IN_RANGE`."
     for key, (least, what) in AT_LEAST.items():  # in the table's order: the step count before its warmup
         if (v := values[key]) < least:
             raise ConfigError(f"{key} ({v}) must be >= {least}: {what}")
+    for key, (interval, what) in IN_RANGE.items():
+        if not in_interval(v := values[key], interval):
+            raise ConfigError(f"{key} ({v}) must lie in {interval}: {what}")
 
 # %% ../../nbs/01_config_load.ipynb #c0ec7a11
 def _is_number(v) -> bool:
@@ -522,11 +525,6 @@ def validate(cfg: Config) -> Config:
     rules += [*sft_rules(cfg.sft), *budget_rules(cfg.schedule, cfg.data, cfg.stage.name)]
     corr = cfg.monitor.max_token_corr
     rules.append((0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"))
-    for key in ("memory_weight_decay", "muon_weight_decay"):
-        wd = getattr(cfg.optim, key)
-        rules.append((0 <= wd < math.inf, f"optim.{key} ({wd}) must be >= 0 and finite"))
-    ema = cfg.optim.ema
-    rules.append((0 <= ema < 1, f"optim.ema ({ema}) must lie in [0, 1): a decay such as 0.999, or 0 for no average"))
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)

@@ -7,12 +7,14 @@ Docs: https://cipher-nb.github.io/cipher_nb/config_schema.html.md"""
 # %% auto #0
 __all__ = ['RouterScore', 'MoEKernel', 'MoEImpl', 'AttnKernel', 'AttnImpl', 'ActCheckpoint', 'MoEKind', 'Injection', 'AttnKind',
            'CausalBPMode', 'BPMode', 'BPLoss', 'Source', 'Codec', 'Precision', 'FP8Recipe', 'Parallel', 'OptimName',
-           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'Role', 'AT_LEAST', 'STAGE_DEFAULTS', 'STAGE_DERIVED',
-           'cosmetic', 'list_field', 'dict_field', 'AttentionConfig', 'MoEConfig', 'RecurrenceConfig', 'EngramConfig',
-           'BoundaryConfig', 'ModelConfig', 'DataConfig', 'TrainConfig', 'ScheduleConfig', 'OptimConfig', 'StageConfig',
-           'MonitorConfig', 'SFTConfig', 'WandbConfig', 'LoggingConfig', 'Config']
+           'Stage', 'SourceStage', 'SFTMask', 'WandbMode', 'Role', 'AT_LEAST', 'IN_RANGE', 'STAGE_DEFAULTS',
+           'STAGE_DERIVED', 'cosmetic', 'list_field', 'dict_field', 'AttentionConfig', 'MoEConfig', 'RecurrenceConfig',
+           'EngramConfig', 'BoundaryConfig', 'ModelConfig', 'DataConfig', 'TrainConfig', 'ScheduleConfig',
+           'OptimConfig', 'StageConfig', 'MonitorConfig', 'SFTConfig', 'WandbConfig', 'LoggingConfig', 'Config',
+           'in_interval']
 
 # %% ../../nbs/00a_config_schema.ipynb #7cfa6261
+import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Literal
 
@@ -419,6 +421,43 @@ AT_LEAST = {  # field -> (the least value that works, what the field counts)
     "sft.max_train_examples": (0, "SFT examples kept (0 keeps every one)"),
     "sft.lora_rank": (0, "the LoRA rank (0 = full-parameter)"),
 }
+
+# %% ../../nbs/00a_config_schema.ipynb #77d578ac
+IN_RANGE = {  # field -> (interval, what the field is)
+    "schedule.min_lr": ("[0, inf)", "where the cosine ends"),
+    "schedule.epochs": ("[0, inf)", "passes over the data (0 = no epoch budget)"),
+    "schedule.warmup_frac": ("[0, 1)", "the warmup's share of the planned steps (0 = schedule.warmup_steps)"),
+    "optim.grad_clip": ("(0, inf)", "the largest global gradient norm"),
+    "optim.eps": ("(0, inf)", "AdamW's denominator floor"),
+    "optim.weight_decay": ("[0, inf)", "weight decay per unit of learning rate (0 = none)"),
+    "optim.memory_weight_decay": ("[0, inf)", "the Engram tables' weight decay (0 = none)"),
+    "optim.muon_weight_decay": ("[0, inf)", "the Muon matrices' weight decay (0 = none)"),
+    "optim.muon_lr": ("(0, inf)", "Muon's peak learning rate"),
+    "optim.muon_momentum": ("[0, 1)", "Muon's momentum"),
+    "optim.ema": ("[0, 1)", "the decay of a weight average, e.g. 0.999 (0 = no average)"),
+    "model.init_std": ("(0, inf)", "the standard deviation of the initial weights"),
+    "model.norm_eps": ("(0, inf)", "RMSNorm's floor"),
+    "model.dropout": ("[0, 1)", "the share of activations dropped in training (0 = off)"),
+    "model.moe.route_scale": ("(0, inf)", "the routed experts' gate scale"),
+    "model.moe.bias_gamma": ("[0, inf)", "the balancing bias's step per optimizer step (0 = a frozen bias)"),
+    "model.moe.z_loss_weight": ("[0, inf)", "the router z-loss weight (0 = off)"),
+    "model.moe.balance_loss_weight": ("[0, inf)", "the load-balance loss weight (0 = off)"),
+    "model.moe.ortho_weight": ("[0, inf)", "the router populations' orthogonality weight (0 = off)"),
+    "model.recurrence.ponder_weight": ("[0, inf)", "the ponder cost's weight (0 = off)"),
+    "model.recurrence.halt_threshold": ("(0, 1]", "the cumulative halting probability at which a token stops"),
+    "model.boundary.rate": ("(0, 1)", "the target share of bytes that end a segment"),
+    "model.boundary.temperature": ("(0, inf)", "the Gumbel-sigmoid temperature"),
+    "model.boundary.loss_weight": ("[0, inf)", "the boundary loss weight (0 = off)"),
+    "model.boundary.binomial_weight": ("[0, inf)", "the binomial prior's weight (0 = off)"),
+}
+
+
+def in_interval(v, interval: str) -> bool:
+    "Whether the finite number `v` lies in `interval`, written as in mathematics: '[0, 1)', '(0, inf)'."
+    lo, hi = (float(x) for x in interval[1:-1].split(","))
+    above = v >= lo if interval[0] == "[" else v > lo
+    below = v <= hi if interval[-1] == "]" else v < hi
+    return math.isfinite(v) and above and below
 
 # %% ../../nbs/00a_config_schema.ipynb #362bfc65
 STAGE_DEFAULTS = {  # what a stage starts from instead of a pretraining preset's schedule and cadence
