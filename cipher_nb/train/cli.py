@@ -170,6 +170,8 @@ def failure(e: Exception, cfg: Config, trainer: Trainer, run_dir: Path):
     if isinstance(e, OSError) and trainer is None:  # a file the command names cannot be read or written
         return EXIT_USAGE, f"{e.filename or ''}: {e.strerror or e}: check the path and its permissions"
     if isinstance(e, (OSError, NonFiniteError, DataError, ck.CheckpointError, ValueError)) and trainer is not None:
+        if ck.latest_checkpoint(run_dir) is None:  # nothing to resume from: say so, rather than advise a resume
+            return EXIT_FAILED, f"{e} (stopped at step {trainer.step}, before any checkpoint: fix it and start again)"
         return EXIT_FAILED, f"{e} (stopped at step {trainer.step}; resume with --out {run_dir} --resume auto)"
     return None
 
