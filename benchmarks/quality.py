@@ -524,13 +524,18 @@ def main():
         Path(a.json).write_text(json.dumps(run_one(a)))
         return
     names = [n.strip() for n in a.contenders.split(",") if n.strip()]
+    for flag, v in (("--jobs", a.jobs), ("--seeds", a.seeds), ("--rounds", a.rounds), ("--round-steps", a.round_steps)):
+        if v < 1:  # --jobs 0 would wait forever for a free slot
+            p.error(f"{flag} must be at least 1, got {v}")
+    if a.threads < 1 or a.eval_points < 1:
+        p.error(f"--threads and --eval-points must be at least 1, got {a.threads} and {a.eval_points}")
     if a.sequential and a.seeds < 2:
         p.error("--sequential needs --seeds 2 or more: the most seeds it may spend")
     if a.sequential and not ref_pairs(names):
         p.error(f"--sequential needs a reference ({' or '.join(REFS)}) and another contender to decide between")
     for n in names:
         if n not in CONTENDERS and not n.startswith("recurrent+"):  # recurrent parts combine: checked when built
-            sys.exit(f"unknown contender '{n}': choose from {', '.join(CONTENDERS)}")
+            p.error(f"unknown contender '{n}': choose from {', '.join(CONTENDERS)}")
     costs = calibrate(a, names)
     ctext = cost_table(costs, a.budget, a.clock, a.threads)
     print(ctext + "\n", flush=True)

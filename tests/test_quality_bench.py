@@ -3,6 +3,8 @@
 import argparse
 import importlib.util
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,13 @@ def test_moe_muonx_puts_the_experts_on_muon(tmp_path):
         "w_up",
         "w_down",
     ]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [(["--jobs", "0"], "--jobs must be at least 1"), (["--contenders", "nope"], "unknown contender 'nope'")],
+)
+def test_usage_errors_are_one_line_and_exit_2(args, says):
+    "A usage error ends at once (--jobs 0 once waited forever), exit 2, its line last, no traceback."
+    r = subprocess.run([sys.executable, quality.__file__, *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
