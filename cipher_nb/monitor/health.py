@@ -475,8 +475,6 @@ def _device(model) -> torch.device:
 class MonitorCallback(Callback):
     "Trainer callback: stats-derived metrics into each log row, health warnings, evaluations for the overfit check."
 
-    name = "monitor"  # the trainer's `monitor`
-
     def __init__(self, monitor: MonitorConfig, model: ModelConfig, log_every: int, groups=(), warn: bool = True):
         "`groups`: the parameter roles whose gradient norms are logged (`optim.clip_groups`)."
         self.log_every, self.top_k, self.warn = log_every, model.moe.top_k, warn

@@ -208,7 +208,7 @@ class Trainer:
         self.export_meta = {}  # what a callback changes in final/'s meta (early stopping: the step of its weights)
 
     def __getattr__(self, name: str):
-        "A callback by its `name` (`trainer.monitor`), as fastai's learner reaches its callbacks."
+        "A callback by its `name` (`trainer.record`), as fastai's learner reaches its callbacks."
         for cb in self.__dict__.get("callbacks", ()):
             if name and getattr(cb, "name", "") == name:
                 return cb
