@@ -155,7 +155,7 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
         )
         tr.cfg = cfg
         return tr, over
-    from cipher_nb.train.builder import MoEBalancing, build_trainer
+    from cipher_nb.train.builder import BoundarySchedule, MoEBalancing, build_trainer
 
     over = [*a.overrides, *contender_overrides(name, load_config(a.config, a.overrides)), f"training.seed={seed}"]
     if budgeted(a, name):  # the trainer plans the steps that fit the budget, on this script's clock
@@ -167,10 +167,19 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     cfg = load_config(a.config, [*over, *plan])
     tr = build_trainer(cfg, run_dir, progress=False)
     tr.schedule.clock = time.process_time if a.clock == "cpu" else time.perf_counter
-    tr.checkpoints = tr.record = tr.monitor = None
-    tr.callbacks = [cb for cb in tr.callbacks if isinstance(cb, MoEBalancing)]  # the step keeps its bias balancing
+    tr.checkpoints = None
+    keep = (MoEBalancing, BoundarySchedule)  # the step keeps its bias balancing and its boundary predictor's schedule
+    tr.callbacks = [cb for cb in tr.callbacks if isinstance(cb, keep)]
     tr.model.train()
     return tr, over
+
+
+def fit_step(tr):
+    "One training step, the callbacks' `before_step` first as in `Trainer.fit` (the boundary predictor's mode)."
+    from cipher_nb.callbacks import run_callbacks
+
+    run_callbacks(getattr(tr, "callbacks", ()), "before_step", tr)  # the minimal GPT has none
+    return tr.train_step()
 
 
 def heldout_overrides(base, seq_len: int) -> list:
@@ -211,12 +220,12 @@ def calibrate(a, names: list) -> dict:
         trs = {n: contender_trainer(a, n, 0, 10**6, Path(tmp) / n)[0] for n in names}
         for tr in trs.values():
             for _ in range(a.round_steps):
-                tr.train_step()  # warm-up: allocator, caches, first-call paths
+                fit_step(tr)  # warm-up: allocator, caches, first-call paths
         for r in range(a.rounds):
             for n in names[r % len(names) :] + names[: r % len(names)]:
                 c0 = clock()
                 for _ in range(a.round_steps):
-                    trs[n].train_step()
+                    fit_step(trs[n])
                 times[n].append((clock() - c0) / a.round_steps)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
@@ -265,7 +274,7 @@ def run_one(a) -> dict:
             plan = tr.schedule
             while tr.step < plan.max_steps:
                 c0, nth = clock(), nth + 1
-                tr.train_step()
+                fit_step(tr)
                 plan.record_step_time(clock() - c0, nth)
                 plan.replan(tr.step)
                 if tr.step == plan.max_steps or (marks and plan.train_seconds >= marks[0]):
@@ -276,7 +285,7 @@ def run_one(a) -> dict:
             points = sorted({max(1, round(a.steps * (i + 1) / a.eval_points)) for i in range(a.eval_points)})
             while tr.step < a.steps:
                 c0 = clock()
-                tr.train_step()
+                fit_step(tr)
                 used += clock() - c0
                 if tr.step in points:
                     curve.append(dict(seconds=round(tr.step * a.cost, 2), step=tr.step, bpb=ev()))

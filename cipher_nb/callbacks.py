@@ -1,4 +1,4 @@
-"""The hooks a trainer offers to what is optional in a run: the live dashboard, the loggers, a stage's extras, user code and the test-only faults.
+"""The hooks a trainer offers to everything but its loop: the model's own schedules, the curriculum, the monitor, the run record, the live dashboard, the loggers, a stage's extras, user code and the test-only faults.
 
 Docs: https://cipher-nb.github.io/cipher_nb/callbacks.html.md"""
 
@@ -9,10 +9,15 @@ __all__ = ['Callback', 'run_callbacks']
 
 # %% ../nbs/01a_callbacks.ipynb #c732847f
 class Callback:
-    "The hooks a callback may implement; each receives the trainer (and the row, metrics or path it names)."
+    "The hooks a callback may implement; each receives the trainer (and what the hook names: output, row, files...)."
+
+    name = ""  # when set, the trainer answers `trainer.<name>` with this callback
 
     def before_step(self, trainer):
         "Before the optimizer step's first micro-batch."
+
+    def after_forward(self, trainer, out):
+        "A micro-batch's model output before its backward: a callback may detach an aux loss (it then trains nothing)."
 
     def after_backward(self, trainer):
         "After the step's gradients are complete, before clipping."
@@ -24,10 +29,16 @@ class Callback:
         "A log row before it is written: a callback may add keys."
 
     def on_eval(self, trainer, metrics: dict):
-        "Held-out metrics, after the trainer recorded them."
+        "Held-out metrics, after the best checkpoint was offered them."
 
     def on_checkpoint(self, trainer, path):
         "A checkpoint was written to `path`."
+
+    def before_export(self, trainer):
+        "The final weights are about to be exported (the model card written with them reads the run directory)."
+
+    def after_export(self, trainer, files: dict):
+        "The export is written: `files` maps each of its files to its SHA-256."
 
     def on_end(self, trainer):
         "The run ended (finished or stopped cleanly)."

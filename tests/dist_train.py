@@ -12,7 +12,7 @@ from conftest import SMALL_MODEL  # this script runs from tests/
 from cipher_nb.config.load import load_config
 from cipher_nb.train.builder import build_trainer
 
-out, parallel = Path(sys.argv[1]), sys.argv[2]
+out, parallel, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]  # extra: more overrides
 cfg = load_config(
     None,
     [
@@ -27,6 +27,7 @@ cfg = load_config(
         "training.eval_every=3",
         f"training.parallel={parallel}",
         "training.device=cpu",
+        *extra,
     ],
 )
 tr = build_trainer(cfg, out / "run")

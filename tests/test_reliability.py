@@ -193,7 +193,7 @@ CONFIG = [
     usage("unknown choice", *TINY, "training.precision=fp7", says="training.precision = 'fp7': choose one of"),
     usage("negative steps", *TINY, "--max-steps", "-3", says="schedule.max_steps"),
     usage("zero steps", *TINY, "schedule.max_steps=0", says="schedule.max_steps"),
-    usage("a negative gradient clip", *TINY, "optim.grad_clip=-1", says="optim.grad_clip (-1.0) must lie in (0, inf)"),
+    usage("a negative gradient clip", *TINY, "optim.grad_clip=-1", says="optim.grad_clip (-1.0) must lie in [0, inf)"),
     usage("an endless epoch budget", *TINY, "schedule.epochs=inf", says="schedule.epochs (inf) must lie in [0, inf)"),
     usage("a negative balancing rate", *TINY, "model.moe.bias_gamma=-1e-3", says="model.moe.bias_gamma (-0.001)"),
     usage("log_every 0", *TINY, "--max-steps", "4", "training.log_every=0", says="training.log_every"),

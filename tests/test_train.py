@@ -195,9 +195,13 @@ def test_a_short_smoke_run_without_heldout_data(tmp_path):
     assert "held-out" not in r.stderr.split("run finished")[-1]  # no held-out figure in the summary
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_torchrun_two_ranks_end_identical(tmp_path, parallel):
-    "torchrun --nproc_per_node=2 on CPU (gloo): both ranks train and end with identical weights."
+BYTE_LEVEL = ["model.boundary.enabled=true", "optim.bp_freeze_steps=3"]  # frozen for 3 of the 6 steps, then trained
+
+
+@pytest.mark.parametrize("parallel,extra", [("ddp", []), ("fsdp", []), ("ddp", BYTE_LEVEL), ("fsdp", BYTE_LEVEL)])
+def test_torchrun_two_ranks_end_identical(tmp_path, parallel, extra):
+    """torchrun --nproc_per_node=2 on CPU (gloo): both ranks train and end with identical weights, a boundary predictor
+    held still and then trained by its callback included (its gradients dropped, never its `requires_grad` switched)."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     r = run_cli(
         torchrun,
@@ -206,6 +210,7 @@ def test_torchrun_two_ranks_end_identical(tmp_path, parallel):
         str(ROOT / "tests/dist_train.py"),
         str(tmp_path),
         parallel,
+        *extra,
         env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
         timeout=600,
     )

@@ -268,7 +268,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # schedule.lr x weight_decay per step, on the matrices (all with decay_all)
     memory_weight_decay: float = 0.0  # the Engram tables' (role memory); 0 = none (decay_all: weight_decay)
-    grad_clip: float = 1.0  # the global gradient norm is clipped to this
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0 = no clipping
     decay_all: bool = False  # False: no weight decay on norms, biases and embeddings
     lr_mult: dict = dict_field(boundary=0.1, memory=5.0)  # parameter role -> learning-rate multiplier
     clip_groups: dict = dict_field(routed_expert=0.5)  # parameter role -> tighter gradient clip
@@ -427,7 +427,7 @@ IN_RANGE = {  # field -> (interval, what the field is)
     "schedule.min_lr": ("[0, inf)", "where the cosine ends"),
     "schedule.epochs": ("[0, inf)", "passes over the data (0 = no epoch budget)"),
     "schedule.warmup_frac": ("[0, 1)", "the warmup's share of the planned steps (0 = schedule.warmup_steps)"),
-    "optim.grad_clip": ("(0, inf)", "the largest global gradient norm"),
+    "optim.grad_clip": ("[0, inf)", "the largest global gradient norm (0 = no clipping)"),
     "optim.eps": ("(0, inf)", "AdamW's denominator floor"),
     "optim.weight_decay": ("[0, inf)", "weight decay per unit of learning rate (0 = none)"),
     "optim.memory_weight_decay": ("[0, inf)", "the Engram tables' weight decay (0 = none)"),

@@ -11,6 +11,7 @@ __all__ = ['step_boundary', 'Phase', 'parse_phases', 'Curriculum', 'build_loader
 import math
 from dataclasses import dataclass
 
+from ..callbacks import Callback
 from ..config.load import ConfigError, DataConfig, ScheduleConfig, TrainConfig
 from .loader import Loader, mixture_loader
 from .sources import source_specs
@@ -81,8 +82,10 @@ def parse_phases(data: DataConfig, max_steps: int) -> list:
     return out
 
 # %% ../../nbs/03_data_curriculum.ipynb #ecb0e898
-class Curriculum:
-    "Phase, data mixture and boundary-predictor mode of each optimizer step (`data.phases`, `data.bp_fixed_frac`)."
+class Curriculum(Callback):
+    "Phase, data mixture and boundary-predictor mode of each optimizer step; a callback that logs the phase."
+
+    name = "curriculum"  # the trainer's `curriculum`
 
     def __init__(self, data: DataConfig, schedule: ScheduleConfig):
         "`schedule`: what has `max_steps`: the config's (a fixed horizon) or the trainer's plan (re-planned)."
@@ -127,6 +130,11 @@ class Curriculum:
     def bp_mode(self, step: int) -> str:
         "'causal_fixed' during the first `data.bp_fixed_frac` of training, 'adaptive' after."
         return "causal_fixed" if step < self.bp_switch else "adaptive"
+
+    def on_log(self, trainer, row: dict):
+        "A log row (not an evaluation's alone) says the phase of its window's last step, when there are phases."
+        if "loss" in row and len(self.phases) > 1:
+            row["curriculum/phase"] = self.phase(trainer.step - 1)
 
     def table(self) -> list:
         "One row per phase: name, steps, mixture."

@@ -9,7 +9,7 @@ __all__ = ['HALT_COLLAPSE_FRAC', 'ENGRAM_MIN_GATE', 'GRAD_NORM_SPAN', 'HostSyncC
            'expert_loads', 'collect_metrics', 'group_grad_norms', 'HealthWarning', 'Threat', 'as_number',
            'halting_collapse', 'memory_unused', 'RecurrentMonitor', 'over_limit', 'nonfinite', 'loss_keys',
            'nonfinite_loss', 'expert_collapse', 'grad_explosion', 'slow_training', 'boundary_rate_off', 'overfitting',
-           'ThreatMatrix', 'MonitorCallback']
+           'ThreatMatrix', 'MonitorCallback', 'Utilization']
 
 # %% ../../nbs/07_monitor_health.ipynb #31fd31e2
 import math
@@ -25,7 +25,7 @@ from ..callbacks import Callback
 from ..config.load import ModelConfig, MonitorConfig
 from ..model.recurrence import core_grad_norms
 from ..model.roles import param_roles
-from .metrics import mem_gb
+from .metrics import mem_gb, mfu
 
 # %% ../../nbs/07_monitor_health.ipynb #35e50705
 _SYNC_FUNCS = {
@@ -522,3 +522,23 @@ class MonitorCallback(Callback):
                     str(t), HealthWarning, "<cipher_nb.monitor.health>", 0, "cipher_nb.monitor.health"
                 )
         self._active[kind] = {t.name for t in threats}
+
+# %% ../../nbs/07_monitor_health.ipynb #66518988
+class Utilization(Callback):
+    "MFU and the GPU's busy fraction (`gpu_util`) in each log row; the sampler stops with the run."
+
+    def __init__(self, flops_per_token: float, peak_flops: float | None, sampler=None):
+        "`sampler`: a started `cipher_nb.monitor.metrics.GPUUtilization` (None: no `gpu_util`)."
+        self.flops_per_token, self.peak_flops, self.sampler = flops_per_token, peak_flops, sampler
+
+    def on_log(self, trainer, row: dict):
+        if "tok_per_s" not in row:  # an evaluation's row alone: no window to measure
+            return
+        row["mfu"] = mfu(row["tok_per_s"], self.flops_per_token, self.peak_flops, trainer.env.world_size)
+        busy = self.sampler.read() if self.sampler is not None else None
+        if busy is not None:
+            row["gpu_util"] = busy
+
+    def on_end(self, trainer):
+        if self.sampler is not None:
+            self.sampler.stop()

@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 import cipher_nb
+from ..callbacks import Callback
 from ..config.load import Config, DataConfig, config_hash
 from ..data.sources import heldout_mode, unpinned_sources
+from ..optim.parallel import kernels_in_use
 from .export import file_sha256
 from .files import CheckpointError, dist_info, read_meta, utc_now, verify_checkpoint, write_json_atomic
 
@@ -83,8 +85,10 @@ def checkpoint_hash(path) -> str:
 
 # %% ../../nbs/09d_persist_record.ipynb #4412d9ad
 @dataclass
-class RunRecord:
-    "What a publishable run records (the training-stage guide); the trainer updates it and `save`s it atomically."
+class RunRecord(Callback):
+    "What a publishable run records (the training-stage guide); the trainer's callback that fills it in as it goes."
+
+    name = "record"  # the trainer's `record`
 
     run_name: str = ""
     stage: str = "pretrain"
@@ -113,6 +117,9 @@ class RunRecord:
     created: str = field(default_factory=utc_now)
     updated: str = ""
 
+    def __post_init__(self):  # the state of a run in progress, not saved
+        self.kernels_read, self.unsaved = False, False
+
     def add_eval(self, step: int, metrics: dict, tokens: int | None = None):
         "Append one evaluation's metrics."
         self.evals.append(dict(step=step, tokens=tokens, metrics=dict(metrics)))
@@ -131,7 +138,46 @@ class RunRecord:
             raise CheckpointError(f"{path}: unknown record keys {sorted(extra)}")
         return cls(**d)
 
+    # as the trainer's callback (saved by rank 0 only)
+    def after_backward(self, trainer):
+        "What the model ran, read from it after this process's first forward and backward (`kernels_in_use`)."
+        if not self.kernels_read:
+            self.kernels.update(kernels_in_use(trainer.model))
+            self.kernels_read = True
 
+    def on_eval(self, trainer, metrics: dict):
+        "An evaluation and the plan as it stands, saved with the log row that carries the evaluation."
+        if trainer.is_main:
+            self.add_eval(trainer.step, metrics, trainer.tokens)
+            self.schedule.update(trainer.schedule.report())
+            self.unsaved = True
+
+    def on_log(self, trainer, row: dict):
+        "A log row's data counts (documents cut and skipped, passes over prepared data); an evaluation's save."
+        if "data/truncated" in row:
+            self.data.update(
+                truncated=row["data/truncated"], empty=row["data/empty"], max_bytes=trainer.cfg.data.max_bytes
+            )
+        if "data/epochs" in row:
+            self.data["epochs"] = row["data/epochs"]
+        if self.unsaved:
+            self.save(trainer.run_dir / "record.json")
+            self.unsaved = False
+
+    def before_export(self, trainer):
+        "The plan as run (the steps taken, what a time budget bought): the model card written with the export reads it."
+        if trainer.is_main:
+            self.schedule.update(trainer.schedule.report())
+            self.save(trainer.run_dir / "record.json")
+
+    def after_export(self, trainer, files: dict):
+        "The exported files' hashes and the rule that chose them."
+        if trainer.is_main:
+            self.export = files
+            self.selection_rule = "final/ is the last step; best/ has the lowest val/loss"
+            self.save(trainer.run_dir / "record.json")
+
+# %% ../../nbs/09d_persist_record.ipynb #bf056041
 def source_info(path) -> dict:
     "What the run record says about a source checkpoint: path, stage, step, config hash, content hash."
     meta = read_meta(path)
@@ -143,7 +189,7 @@ def source_info(path) -> dict:
         sha256=checkpoint_hash(path),
     )
 
-
+# %% ../../nbs/09d_persist_record.ipynb #b43cf39e
 def heldout_size(batches) -> dict:
     "How much held-out data each evaluation reads (the record's data section): batches, sequences, target ids."
     return dict(
@@ -152,13 +198,13 @@ def heldout_size(batches) -> dict:
         heldout_targets=int(sum(int((b["labels"] != -100).sum()) for b in batches)),
     )
 
-
+# %% ../../nbs/09d_persist_record.ipynb #b880029a
 def data_summary(data: DataConfig) -> dict:
     "The record's data section: whether every hub source is pinned to a commit, and how held-out data is chosen."
     unpinned = [s.name for s in unpinned_sources(data)]
     return dict(pinned=not unpinned, unpinned=unpinned, heldout=heldout_mode(data))
 
-
+# %% ../../nbs/09d_persist_record.ipynb #5eabf8d6
 def run_record(
     cfg: Config,
     *,
@@ -169,7 +215,7 @@ def run_record(
     source=None,
     run_name: str = "",
 ) -> RunRecord:
-    "A `RunRecord` filled from the config and the machine; the trainer adds kernels, evals, selection and export."
+    "A `RunRecord` filled from the config and the machine; as a callback it adds kernels, evals, selection, export."
     t, s, o, ws = cfg.training, cfg.schedule, cfg.optim, world_size or dist_info()[1]
     seqs = t.batch_size * t.grad_accum * ws
     return RunRecord(

@@ -6,10 +6,11 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_builder.html.md"""
 
 # %% auto #0
 __all__ = ['ALLOCATOR', 'NO_HELDOUT', 'BUDGET_MAX_STEPS', 'RUN_FILES', 'codec_description', 'RunCheckpoints', 'MoEBalancing',
-           'stage_hooks', 'init_distributed', 'configure_allocator', 'device_plan', 'resume_source', 'check_start',
-           'parameter_counts', 'parameter_line', 'heldout_eval', 'build_trainer', 'truncate_metrics', 'restore',
-           'restore_average', 'record_elastic', 'resolve_run', 'run_summary', 'RunDirError', 'holds_run',
-           'never_started', 'backup_name', 'claim_run_dir']
+           'BoundarySchedule', 'stage_hooks', 'init_distributed', 'configure_allocator', 'device_plan', 'resume_source',
+           'check_start', 'parameter_counts', 'parameter_line', 'open_device', 'build_record', 'build_model',
+           'build_optimization', 'open_data', 'open_run_dir', 'build_checkpoints', 'heldout_eval', 'build_callbacks',
+           'build_trainer', 'truncate_metrics', 'restore', 'restore_average', 'record_elastic', 'resolve_run',
+           'run_summary', 'RunDirError', 'holds_run', 'never_started', 'backup_name', 'claim_run_dir']
 
 # %% ../../nbs/11a_train_builder.ipynb #c0aa1c89
 import json
@@ -47,9 +48,11 @@ from ..core import DistEnv, dist_backend, dist_env, resolve_device, seed_everyth
 from ..data.codecs import build_codec
 from ..data.curriculum import Curriculum
 from ..data.sources import data_fingerprint
+from ..model.boundary import BoundaryPredictor
 from ..model.lm import CipherModel
 from ..model.moe import MoE, update_moe_biases
-from ..monitor.health import MonitorCallback
+from ..model.roles import params_with_role
+from ..monitor.health import MonitorCallback, Utilization
 from ..monitor.metrics import GPUUtilization, device_peak_flops, heldout_metrics
 from ..optim.ema import WeightAverage, averaged_eval, weight_average
 from ..optim.optimizers import build_optimizer, optimizer_kind
@@ -62,7 +65,7 @@ from cipher_nb.persist.checkpointer import (
     training_state,
 )
 from ..persist.export import export_model
-from ..persist.record import heldout_size, run_record
+from ..persist.record import RunRecord, heldout_size, run_record
 from ..persist.stages import StageHooks, check_init_source, check_resume
 from .early_stop import early_stopping
 from .plan import preflight_plan
@@ -168,6 +171,43 @@ class MoEBalancing(Callback):
     def after_step(self, trainer):
         update_moe_biases(trainer.raw_model, trainer.step)  # one all-reduce for every block, on every rank
 
+# %% ../../nbs/11a_train_builder.ipynb #59abbebb
+class BoundarySchedule(Callback):
+    "The boundary predictor's schedule: the curriculum's mode in each step's forwards, its weights still for a while."
+
+    def __init__(self, model: nn.Module, mode_at, freeze_steps: int):
+        "`mode_at(step)`: a step's mode (`Curriculum.bp_mode`); `freeze_steps`: `optim.bp_freeze_steps` (-1: warmup)."
+        self.mode_at, self.freeze_steps = mode_at, freeze_steps
+        self.predictors = [m for m in model.modules() if isinstance(m, BoundaryPredictor)]
+        self.own = [m.mode for m in self.predictors]  # the mode evaluation and generation read
+        self.params = params_with_role(model, "boundary")
+
+    def frozen(self, trainer, step: int) -> bool:
+        "Whether `step` holds the predictor still (before `freeze_steps`, or before the plan's warmup ends)."
+        return step < (trainer.schedule.warmup_steps if self.freeze_steps < 0 else self.freeze_steps)
+
+    def set_modes(self, modes: list):
+        for m, mode in zip(self.predictors, modes):
+            m.set_mode(mode)
+
+    def before_step(self, trainer):
+        self.set_modes([self.mode_at(trainer.step)] * len(self.predictors))
+
+    def after_forward(self, trainer, out):
+        if self.frozen(trainer, trainer.step) and "bp" in out.aux:
+            out.aux["bp"] = out.aux["bp"].detach()  # logged; trains neither the predictor nor the byte encoder
+
+    def after_backward(self, trainer):
+        if self.frozen(trainer, trainer.step):
+            for p in self.params:
+                p.grad = None  # the optimizer skips a parameter without a gradient: no moments, no weight decay
+        self.set_modes(self.own)
+
+    def on_log(self, trainer, row: dict):
+        if "loss" in row:  # a log row (not an evaluation's alone): its window's last step
+            last = trainer.step - 1
+            row["bp/mode"], row["bp/frozen"] = self.mode_at(last), self.frozen(trainer, last)
+
 # %% ../../nbs/11a_train_builder.ipynb #354323dc
 def stage_hooks(stage: str) -> StageHooks:
     "The hooks of `stage`: SFT's own, or the default that changes nothing."
@@ -239,77 +279,127 @@ def parameter_line(counts: dict) -> str:
     c = counts
     return f"parameters: {c['total']:,} total, {c['active']:,} active per token, {c['trainable']:,} trainable"
 
-# %% ../../nbs/11a_train_builder.ipynb #4d0211cc
-def heldout_eval(byte_lengths):
-    "The evaluation of a run: `heldout_metrics` over the trainer's held-out batches."
-    return lambda tr: heldout_metrics(tr.model, tr.heldout, byte_lengths, tr.device, tr.dtype, tr.env)
+# %% ../../nbs/11a_train_builder.ipynb #31e0eb94
+def open_device(cfg: Config, env: DistEnv) -> tuple:
+    "This rank's device (allocator set, process group joined) and the allocator's settings, for the record."
+    device = resolve_device(cfg.training.device)
+    allocator = configure_allocator(device)  # before the first allocation
+    init_distributed(env, device)
+    return device, allocator
 
 
+def build_record(cfg: Config, run_dir: Path, env: DistEnv, fingerprint: str, codec, source) -> RunRecord:
+    "The run record as the start knows it; each builder adds its part, the record itself what the run learns."
+    info = dict(data_fingerprint=fingerprint, codec=codec_description(codec, cfg.data), run_name=run_dir.name)
+    return run_record(cfg, world_size=env.world_size, source=source or (cfg.stage.init or None), **info)
+
+# %% ../../nbs/11a_train_builder.ipynb #219f047a
+def build_model(cfg: Config, hooks: StageHooks, env: DistEnv, device: torch.device, record: RunRecord) -> tuple:
+    "The model as it trains (wrapped for DDP / FSDP2) and its precision choice; `record` keeps what they are."
+    seed_everything(cfg.training.seed)  # the same initial weights on every rank
+    model = CipherModel(cfg.model).to(device)
+    if cfg.stage.init:
+        load_weights(cfg.stage.init, model)
+    model = hooks.model(model)
+    record.parameters = parameter_counts(model, cfg.model)  # before the parallel wrapper shards them
+    choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
+    model, choice, layers = convert_or_fall_back(model, choice, min_dim=cfg.training.fp8_min_dim)  # bf16 if it fails
+    wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)
+    record.precision = {**choice.to_record(), **({"layers": layers} if layers else {})}
+    record.kernels = dict(parallel_info)  # the trainer's record adds what ran, after the first step
+    record.warnings = runbook_warnings(cfg.model, cfg.schedule, choice.mode)  # the precision that runs here
+    return wrapped, choice
+
+# %% ../../nbs/11a_train_builder.ipynb #ebed1768
+def build_optimization(model: nn.Module, cfg: Config, env: DistEnv, record: RunRecord) -> tuple:
+    "The optimizer and `optim.ema`'s weight average (None without one); `record` keeps their kind and cost."
+    optimizer = build_optimizer(model, cfg.optim, cfg.schedule.lr)
+    average = weight_average(getattr(model, "module", model), cfg.optim)  # fp32, sharded as trained
+    record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
+    if average is not None:  # its cost: one fp32 copy of the trained parameters (this rank's shards under FSDP2)
+        record.optimizer["ema"] = dict(decay=average.decay, bytes_per_rank=average.nbytes(), world_size=env.world_size)
+    return optimizer, average
+
+# %% ../../nbs/11a_train_builder.ipynb #29e20582
 NO_HELDOUT = (
     "no held-out data: this run logs no val/* metrics. Hold some out with data.heldout_frac, a separate file with "
     "data.heldout_path, or the end of each file with data.heldout_tail_bytes"
 )
 
 
-def build_trainer(
-    cfg: Config, run_dir, resume: str = None, callbacks=(), progress: bool = True, hooks: StageHooks = None
-) -> Trainer:
-    "Everything a run needs, from its config: data, model, precision, optimizer, checkpoints, monitor, evaluation."
-    env, run_dir = dist_env(), Path(run_dir)
-    hooks = hooks or stage_hooks(cfg.stage.name)
-    cfg = hooks.config(cfg)
-    device = resolve_device(cfg.training.device)
-    allocator = configure_allocator(device)
-    init_distributed(env, device)
-    fingerprint = data_fingerprint(cfg.data)
-    source = resume_source(resume, run_dir) if resume else None
-    check_start(cfg, source, fingerprint, hooks, env.world_size)
-    seed_everything(cfg.training.seed)  # the same initial weights on every rank
-    model = CipherModel(cfg.model).to(device)
-    if cfg.stage.init:
-        load_weights(cfg.stage.init, model)
-    model = hooks.model(model)
-    params = parameter_counts(model, cfg.model)  # before the parallel wrapper shards them
-    choice = detect_precision(cfg.training.precision, recipe=cfg.training.fp8_recipe)
-    model, choice, kernels = convert_or_fall_back(model, choice, min_dim=cfg.training.fp8_min_dim)  # bf16 if it fails
-    wrapped, parallel_info = parallelize(model, cfg.training, env, device, choice.dtype)
-    optimizer = build_optimizer(wrapped, cfg.optim, cfg.schedule.lr)
-    average = weight_average(getattr(wrapped, "module", wrapped), cfg.optim)  # optim.ema > 0: fp32, sharded as trained
-    # the horizon's one owner: the trainer, its curriculum and the loader's read it
-    plan = Schedule.for_run(cfg, env.world_size, steps_per_epoch=hooks.steps_per_epoch)
+def open_data(hooks: StageHooks, env: DistEnv, plan: Schedule, record: RunRecord) -> tuple:
+    "The stage's training loader on `plan` and its held-out batches (a line on stderr when there are none)."
     loader, heldout = hooks.data(env.rank, env.world_size, plan)
     if not heldout and env.is_main:
         print(NO_HELDOUT, file=sys.stderr)
-    if env.is_main:  # every check and every input has passed: the run directory is written from here on
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-    # the other ranks wait for rank 0's plan at their first collective (a kept plan: none)
-    planned = device_plan(device, run_dir, env.world_size, cfg.training) if env.is_main else {}
-    codec = build_codec(cfg.data)
-    codec_info = codec_description(codec, cfg.data)
-    record = run_record(
-        cfg,
-        world_size=env.world_size,
-        data_fingerprint=fingerprint,
-        codec=codec_info,
-        source=source or (cfg.stage.init or None),
-        run_name=run_dir.name,
-    )
-    record.parameters = params
-    record.schedule.update(plan.report())  # what sets the horizon, what it buys, what a cap cut
-    record.precision = {**choice.to_record(), **({"layers": kernels} if kernels else {})}
     record.data.update(heldout_size(heldout))  # the card's limits name the held-out size (or its absence)
-    record.kernels = dict(
-        parallel_info, allocator=allocator, **({"plan": planned} if planned else {})
-    )  # the trainer adds what ran, after the first step
-    record.optimizer["kind"] = optimizer_kind(optimizer)  # the implementation that ran (e.g. adamw8bit-torchao)
-    if average is not None:  # its cost: one fp32 copy of the trained parameters (this rank's shards under FSDP2)
-        record.optimizer["ema"] = dict(decay=average.decay, bytes_per_rank=average.nbytes(), world_size=env.world_size)
-    record.warnings = runbook_warnings(cfg.model, cfg.schedule, choice.mode)  # the precision that runs here
-    lengths = torch.as_tensor(codec.byte_lengths)
+    return loader, heldout
+
+# %% ../../nbs/11a_train_builder.ipynb #c9d058ea
+def open_run_dir(cfg: Config, run_dir: Path, env: DistEnv, device: torch.device) -> dict:
+    "Write the run directory and its config (rank 0); the record's kernel entries it adds (on CUDA, the plan)."
+    if not env.is_main:  # the other ranks wait for rank 0's plan at their first collective
+        return {}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    planned = device_plan(device, run_dir, env.world_size, cfg.training)  # a kept plan: none
+    return {"plan": planned} if planned else {}
+
+# %% ../../nbs/11a_train_builder.ipynb #9cfa6f12
+def build_checkpoints(cfg: Config, run_dir: Path, loader, fingerprint: str, codec: dict, hooks: StageHooks, average):
+    "The run's `RunCheckpoints`: its meta names the config and data, its export the codec and the stage's model."
+    describe = partial(checkpoint_meta, cfg, data_fingerprint=fingerprint)
+    ckpt = Checkpointer.from_config(cfg.training, run_dir)
+    return RunCheckpoints(ckpt, loader, describe, codec, hooks.export_model, average)
+
+
+def heldout_eval(byte_lengths):
+    "The evaluation of a run: `heldout_metrics` over the trainer's held-out batches."
+    return lambda tr: heldout_metrics(tr.model, tr.heldout, byte_lengths, tr.device, tr.dtype, tr.env)
+
+# %% ../../nbs/11a_train_builder.ipynb #f8e56b90
+def build_callbacks(cfg: Config, model, plan, record, average, hooks, run_dir, env: DistEnv, device, extra=()) -> list:
+    "The run's callbacks, in the order each event reaches them."
+    raw, curriculum = getattr(model, "module", model), Curriculum(cfg.data, plan)
+    has_bp = any(isinstance(m, BoundaryPredictor) for m in raw.modules())
+    sampler = GPUUtilization(device).start() if device.type == "cuda" else None
+    return [
+        *([BoundarySchedule(raw, curriculum.bp_mode, cfg.optim.bp_freeze_steps)] if has_bp else []),
+        curriculum,
+        Utilization(flops_per_token(cfg.model, cfg.training.seq_len), device_peak_flops(device), sampler),
+        MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups),
+        record,
+        *([] if average is None else [average]),
+        MoEBalancing(),
+        *hooks.callbacks(run_dir),
+        *early_stopping(cfg.training),
+        *logger_callbacks(cfg.logging, run_dir, env.is_main, cfg.to_dict()),
+        *extra,
+    ]
+
+# %% ../../nbs/11a_train_builder.ipynb #8ec2da64
+def build_trainer(
+    cfg: Config, run_dir, resume: str = None, callbacks=(), progress: bool = True, hooks: StageHooks = None
+) -> Trainer:
+    "Everything a run needs, from its config: each part from its builder, then the trainer (restored on a resume)."
+    env, run_dir = dist_env(), Path(run_dir)
+    hooks = hooks or stage_hooks(cfg.stage.name)
+    cfg = hooks.config(cfg)
+    device, allocator = open_device(cfg, env)
+    fingerprint = data_fingerprint(cfg.data)
+    source = resume_source(resume, run_dir) if resume else None
+    check_start(cfg, source, fingerprint, hooks, env.world_size)
+    codec = build_codec(cfg.data)
+    record = build_record(cfg, run_dir, env, fingerprint, codec, source)
+    model, choice = build_model(cfg, hooks, env, device, record)
+    optimizer, average = build_optimization(model, cfg, env, record)
+    plan = Schedule.for_run(cfg, env.world_size, steps_per_epoch=hooks.steps_per_epoch)  # the horizon's one owner
+    record.schedule.update(plan.report())  # what sets the horizon, what it buys, what a cap cut
+    loader, heldout = open_data(hooks, env, plan, record)
+    record.kernels.update(allocator=allocator, **open_run_dir(cfg, run_dir, env, device))
     trainer = Trainer(
         cfg,
-        wrapped,
+        model,
         optimizer,
         loader,
         run_dir=run_dir,
@@ -317,30 +407,10 @@ def build_trainer(
         env=env,
         dtype=choice.dtype,
         scaler=torch.amp.GradScaler(device.type) if choice.scaler else None,
-        curriculum=Curriculum(cfg.data, plan),
-        monitor=MonitorCallback(cfg.monitor, cfg.model, cfg.training.log_every, cfg.optim.clip_groups),
-        eval_fn=averaged_eval(heldout_eval(lengths), average) if heldout else None,
+        eval_fn=averaged_eval(heldout_eval(torch.as_tensor(codec.byte_lengths)), average) if heldout else None,
         heldout=heldout,
-        record=record,
-        checkpoints=RunCheckpoints(
-            Checkpointer.from_config(cfg.training, run_dir),
-            loader,
-            partial(checkpoint_meta, cfg, data_fingerprint=fingerprint),
-            codec_info,
-            hooks.export_model,
-            average,
-        ),
-        callbacks=[
-            *([] if average is None else [average]),  # first: every other callback sees this step's average
-            MoEBalancing(),
-            *hooks.callbacks(run_dir),
-            *early_stopping(cfg.training),
-            *logger_callbacks(cfg.logging, run_dir, env.is_main, cfg.to_dict()),
-            *callbacks,
-        ],
-        gpu_util=GPUUtilization(device).start() if device.type == "cuda" else None,
-        flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len),
-        peak_flops=device_peak_flops(device),
+        checkpoints=build_checkpoints(cfg, run_dir, loader, fingerprint, record.codec, hooks, average),
+        callbacks=build_callbacks(cfg, model, plan, record, average, hooks, run_dir, env, device, callbacks),
         schedule=plan,
     )
     if source is not None:

@@ -56,7 +56,7 @@ class EarlyStopping(Callback):
                 f"{self.best_step}) for {self.patience} evaluations",
                 file=sys.stderr,
             )
-        if trainer.record is not None:
+        if getattr(trainer, "record", None) is not None:  # the run record callback, when the run has one
             trainer.record.schedule["early_stop"] = self.summary()
 
     def summary(self) -> dict:
@@ -91,19 +91,20 @@ class EarlyStopping(Callback):
             trainer.export_meta.update(step=meta["step"], tokens=meta.get("tokens"), stopped_at=self.stopped_at)
             if "averaged" in meta:
                 trainer.export_meta["averaged"] = meta["averaged"]
-        if trainer.record is not None:
+        if getattr(trainer, "record", None) is not None:  # the run record callback, when the run has one
             trainer.record.schedule["early_stop"] = self.summary()
 
     def on_end(self, trainer):
         "Say in the run record which weights `final/` holds."
-        if self.stopped_at is None or trainer.record is None or not trainer.is_main or trainer.run_dir is None:
+        record = getattr(trainer, "record", None)
+        if self.stopped_at is None or record is None or not trainer.is_main or trainer.run_dir is None:
             return
         held = f"best/ (step {self.exported_step})" if self.exported_step is not None else "the last weights (no best/)"
-        trainer.record.selection_rule = (
+        record.selection_rule = (
             f"early stop at step {self.stopped_at} ({self.metric} did not fall for {self.patience} evaluations): "
             f"final/ holds {held}; best/ has the lowest {self.metric}"
         )
-        trainer.record.save(trainer.run_dir / "record.json")
+        record.save(trainer.run_dir / "record.json")
 
 # %% ../../nbs/10d_train_early_stop.ipynb #a8397a0d
 def early_stopping(t: TrainConfig) -> list:

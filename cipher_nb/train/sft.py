@@ -491,7 +491,7 @@ class SFTCallback(Callback):
             with open(self.path) as f:
                 rows = [r for r in csv.DictReader(f) if trainer.step and int(r["step"]) <= trainer.step]
             self._write(rows, "w")
-        rec = trainer.record
+        rec = getattr(trainer, "record", None)  # the run record callback, when the run has one
         if rec is not None and trainer.run_dir is not None:
             rec.limitations = [
                 note

@@ -27,10 +27,9 @@ from ..callbacks import run_callbacks
 from ..config.load import Config
 from ..config.sizing import prepared_tokens
 from ..core import DistEnv, autocast, autocast_dtype, dist_env
-from ..model.roles import clip_groups, params_with_role
-from ..monitor.metrics import mem_gb, mfu, sum_over_ranks
+from ..model.roles import clip_groups
+from ..monitor.metrics import mem_gb, sum_over_ranks
 from ..optim.optimizers import set_lr
-from ..optim.parallel import kernels_in_use
 from .schedule import Schedule
 
 # %% ../../nbs/10_train_trainer.ipynb #75555f95
@@ -162,7 +161,7 @@ class NonFiniteError(RuntimeError):
 
 
 class Trainer:
-    "Optimizer-step training loop; `fit` calls the components given here in the order it reads."
+    "Optimizer-step training loop; `fit` calls the components given here, and the callbacks, in the order it reads."
 
     def __init__(
         self,
@@ -175,18 +174,11 @@ class Trainer:
         env: DistEnv = None,
         dtype: torch.dtype = None,  # autocast dtype; None: from training.precision and the device
         scaler=None,  # a GradScaler, for fp16 only
-        curriculum=None,
-        monitor=None,
         eval_fn=None,
         heldout=(),  # the held-out batches eval_fn reads
-        record=None,
         checkpoints=None,
-        gpu_util=None,  # a GPU utilisation sampler (`cipher_nb.monitor.metrics`), on CUDA runs
-        callbacks=(),  # optional extras: dashboard, loggers, a stage's callbacks, user hooks, test faults
-        clock=time.perf_counter,  # what training time is measured with, for the time budget (a fake in tests)
-        flops_per_token: float = None,
-        peak_flops: float = None,
-        schedule: "Schedule" = None,  # the plan (default: cfg.schedule's on `clock`); the curriculum reads the same one
+        callbacks=(),  # everything else a run does: the model's schedules, monitor, record, loggers, user hooks
+        schedule: Schedule = None,  # the plan (default: cfg.schedule's); the callbacks read the same one
     ):
         # what the run is made of
         self.cfg, self.model, self.optimizer, self.loader = cfg, model, optimizer, loader
@@ -196,21 +188,16 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else None
         self.dtype = dtype or autocast_dtype(self.device, cfg.training.precision)
         self.scaler = scaler
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         # the components fit calls
-        self.curriculum, self.monitor, self.eval_fn, self.heldout = curriculum, monitor, eval_fn, list(heldout)
-        self.record, self.checkpoints, self.callbacks = record, checkpoints, list(callbacks)
-        self.gpu_util = gpu_util
-        # parameters the step treats apart
+        self.eval_fn, self.heldout, self.checkpoints = eval_fn, list(heldout), checkpoints
+        self.callbacks = list(callbacks)
         self.clip_groups = clip_groups(self.raw_model, cfg.optim.clip_groups)  # by parameter role
-        self.bp_params = params_with_role(self.raw_model, "boundary")
         # the plan: how many steps the run takes, and its warmup (schedule.time_budget re-plans both)
         self.data_tokens = prepared_tokens(cfg.data)  # a prepared directory's training tokens (0: not known)
-        self.schedule = schedule or Schedule.for_run(cfg, self.env.world_size, clock)
+        self.schedule = schedule or Schedule.for_run(cfg, self.env.world_size)
         # counters (state_dict) and the state of this process's run
         self.step, self.tokens, self.skipped = 0, 0, 0
         self.nonfinite_run = 0  # non-finite steps in a row
-        self.bp_mode = None  # the boundary predictor's mode for this step (None: the model's default)
         self.last_out = None  # the model output of the last micro-batch (the monitor reads its stats)
         self.last_eval = {}  # the latest held-out metrics
         self.window_stats = {}  # each model stat's mean over the micro-batches of the last log window
@@ -219,6 +206,13 @@ class Trainer:
         self.stop = StopFlag()
         self.batches = None  # the loader's iterator, started at the first step (after a resume restored its state)
         self.export_meta = {}  # what a callback changes in final/'s meta (early stopping: the step of its weights)
+
+    def __getattr__(self, name: str):
+        "A callback by its `name` (`trainer.record`), as fastai's learner reaches its callbacks."
+        for cb in self.__dict__.get("callbacks", ()):
+            if name and getattr(cb, "name", "") == name:
+                return cb
+        raise AttributeError(f"'Trainer' has no attribute or callback named '{name}'")
 
     @property
     def is_main(self) -> bool:
@@ -241,7 +235,6 @@ class Trainer:
     # one optimizer step
     def forward_backward(self, batches: list) -> dict:
         "Accumulate gradients over `batches`; return the step's token-weighted LM loss and mean aux losses (tensors)."
-        frozen = self.bp_frozen
         n = [(b["labels"] != -100).sum() for b in batches]
         n_all = sum_over_ranks(torch.stack(n).sum().float(), self.env)
         world, ga = self.env.world_size, len(batches)
@@ -251,10 +244,10 @@ class Trainer:
             if last and hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(True)
             with no_sync(self.model, last), autocast(self.device, self.dtype):
-                out = self.model(**b, bp_mode=self.bp_mode) if self.bp_mode else self.model(**b)
+                out = self.model(**b)
+                run_callbacks(self.callbacks, "after_forward", self, out)  # a detached aux loss trains nothing
                 weight = n[i].float() * world / n_all.clamp(min=1)  # DDP / FSDP average over ranks; undo it per token
-                aux = [v.float() for k, v in out.aux.items() if not (frozen and k == "bp")]  # frozen BP trains nothing
-                objective = out.loss.float() * weight + sum(aux) / ga
+                objective = out.loss.float() * weight + sum(v.float() for v in out.aux.values()) / ga
             (self.scaler.scale(objective) if self.scaler else objective).backward()
             lm = lm + out.loss.detach().float() * n[i]
             for k, v in out.aux.items():
@@ -270,7 +263,7 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip or float("inf"))  # 0: no clipping
         if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
             norm = norm.full_tensor()
         for key, group in self.clip_groups.items():
@@ -278,23 +271,6 @@ class Trainer:
             if group:
                 torch.nn.utils.clip_grad_norm_(group, self.cfg.optim.clip_groups[key])
         return norm
-
-    @property
-    def bp_freeze_steps(self) -> int:
-        "Optimizer steps during which the boundary predictor's parameters keep their initial values."
-        o = self.cfg.optim
-        return self.schedule.warmup_steps if o.bp_freeze_steps < 0 else o.bp_freeze_steps  # the plan's warmup
-
-    @property
-    def bp_frozen(self) -> bool:
-        "Whether this step holds the boundary predictor still."
-        return bool(self.bp_params) and self.step < self.bp_freeze_steps
-
-    def drop_frozen_grads(self):
-        "Forget the gradients of parameters held still at this step: the optimizer then skips them."
-        if self.bp_frozen:
-            for p in self.bp_params:
-                p.grad = None
 
     def skip_step(self):
         "Forget a non-finite step's gradients; stop the run after too many in a row."
@@ -321,8 +297,6 @@ class Trainer:
     def train_step(self) -> dict | None:
         "One optimizer step over `grad_accum` micro-batches: its metrics as tensors, or None if it was skipped."
         t = self.cfg.training
-        if self.curriculum is not None:
-            self.bp_mode = self.curriculum.bp_mode(self.step)
         set_lr(self.optimizer, self.schedule.lr(self.step))
         if self.batches is None:
             self.batches = iter(self.loader)
@@ -332,9 +306,6 @@ class Trainer:
         ]
         self.tokens += sum(b["input_ids"].numel() for b in batches) * self.env.world_size
         res = self.forward_backward(batches)
-        self.drop_frozen_grads()
-        if self.monitor is not None:
-            self.monitor.after_backward(self)
         run_callbacks(self.callbacks, "after_backward", self)
         norm = self.clip()
         finite = (torch.isfinite(res["loss"]) & torch.isfinite(norm)).float()
@@ -370,39 +341,23 @@ class Trainer:
         row["tok_per_s"] = (
             len(window) * t.grad_accum * t.batch_size * t.seq_len * self.env.world_size / max(seconds, 1e-9)
         )
-        fpt = self.flops_per_token
-        row["mfu"] = mfu(row["tok_per_s"], fpt, self.peak_flops, self.env.world_size) if fpt else None
         row["mem_gb"] = mem_gb(self.device)
-        busy = self.gpu_util.read() if self.gpu_util is not None else None
-        if busy is not None:
-            row["gpu_util"] = busy
-        if self.bp_params:
-            last = self.step - 1  # the state of the window's last step
-            row["bp/mode"], row["bp/frozen"] = self.bp_mode or self.cfg.model.boundary.mode, last < self.bp_freeze_steps
-        if self.curriculum is not None and len(self.curriculum.phases) > 1:
-            row["curriculum/phase"] = self.curriculum.phase(self.step - 1)
         row.update(self.data_counts())
-        if self.data_tokens:  # passes over the prepared training tokens, in the metrics and the record
+        if self.data_tokens:  # passes over the prepared training tokens
             row["data/epochs"] = self.tokens / self.data_tokens
-            if self.record is not None:
-                self.record.data["epochs"] = row["data/epochs"]
         return row
 
     def data_counts(self) -> dict:
-        "Documents cut at `data.max_bytes` and empty documents skipped so far, over every rank; kept in the record too."
+        "Documents cut at `data.max_bytes` and empty documents skipped so far, over every rank."
         if not hasattr(self.loader, "stats"):
             return {}
         s = self.loader.stats()
         n = torch.tensor([float(s["truncated"]), float(sum(s["empty"].values()))], device=self.device)
         truncated, empty = (int(v) for v in sum_over_ranks(n, self.env).tolist())
-        if self.record is not None:
-            self.record.data.update(truncated=truncated, empty=empty, max_bytes=self.cfg.data.max_bytes)
         return {"data/truncated": truncated, "data/empty": empty}
 
     def log(self, row: dict, bar=None):
-        "Let the monitor and callbacks see `row`, append it to RUN/metrics.jsonl and print it (rank 0)."
-        if self.monitor is not None:
-            self.monitor.on_log(self, row)
+        "Let the callbacks see `row` (they may add keys), append it to RUN/metrics.jsonl and print it (rank 0)."
         run_callbacks(self.callbacks, "on_log", self, row)
         if not self.is_main:
             return
@@ -415,7 +370,7 @@ class Trainer:
 
     # evaluation, checkpoints, the stop
     def evaluate(self) -> dict:
-        "Held-out metrics from `eval_fn`, recorded, kept as the best checkpoint if they are, and shown to callbacks."
+        "Held-out metrics from `eval_fn`, kept as the best checkpoint if they are, and shown to the callbacks."
         if self.eval_fn is None:
             return {}
         self.model.eval()
@@ -424,12 +379,6 @@ class Trainer:
         finally:
             self.model.train()
         self.last_eval = metrics
-        if self.monitor is not None:
-            self.monitor.on_eval(self, metrics)
-        if self.record is not None and self.is_main:
-            self.record.add_eval(self.step, metrics, self.tokens)
-            self.record.schedule.update(self.schedule.report())  # the plan as it stands
-            self.record.save(self.run_dir / "record.json")
         if self.checkpoints is not None:
             with self.stop.saving():
                 self.checkpoints.save_best(self, metrics)
@@ -446,28 +395,18 @@ class Trainer:
         return path
 
     def export(self):
-        "Export the final weights (`RUN/final/`) and put their hashes in the run record."
+        "Export the final weights (`RUN/final/`); the callbacks see it before and after, with its files' hashes."
         if self.checkpoints is None:
             return
-        if self.record is not None and self.is_main:  # the model card, written with the export, reads the plan
-            self.record.schedule.update(self.schedule.report())  # the steps taken; what a time budget bought
-            self.record.save(self.run_dir / "record.json")
+        run_callbacks(self.callbacks, "before_export", self)
         with self.stop.saving():
-            hashes = self.checkpoints.export(self)
-        if self.record is not None and self.is_main:
-            self.record.export = hashes
-            self.record.selection_rule = "final/ is the last step; best/ has the lowest val/loss"
-            self.record.save(self.run_dir / "record.json")
+            files = self.checkpoints.export(self)
+        run_callbacks(self.callbacks, "after_export", self, files)
 
     def stop_agreed(self) -> bool:
         "True when a stop signal reached any rank."
         flag = torch.tensor(float(self.stop.raised), device=self.device)
         return bool(sum_over_ranks(flag, self.env, dist.ReduceOp.MAX if dist.is_available() else None).item())
-
-    def note_kernels(self):
-        "Put what the model ran on its first step into the run record's `kernels`."
-        if self.record is not None:
-            self.record.kernels.update(kernels_in_use(self.model))
 
     # the loop
     def due(self, every: int) -> bool:
@@ -498,8 +437,6 @@ class Trainer:
                 res = self.train_step()
                 self.stop.at_once = False  # a step is done: from here a signal saves it first
                 plan.record_step_time(plan.clock() - started, nth)
-                if nth == 1:
-                    self.note_kernels()
                 if plan.replan(self.step, self.min_over_ranks) and bar.total != plan.horizon:
                     bar.total = plan.horizon  # a time budget: the plan follows the step cost
                 if res is None:  # skipped: not finite
@@ -534,8 +471,6 @@ class Trainer:
         finally:
             bar.close()
             self.stop.uninstall()
-        if self.gpu_util is not None:
-            self.gpu_util.stop()
         run_callbacks(self.callbacks, "on_end", self)
         if self.stopped and reraise and self.stop.signum == signal.SIGINT:  # Jupyter's interrupt: stop the queued cells
             raise KeyboardInterrupt(f"interrupted at step {self.step}; the checkpoint is saved (resume: --resume auto)")
