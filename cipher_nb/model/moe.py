@@ -568,6 +568,8 @@ class MoE(nn.Module):
         )
         if c.moe.n_pop_a > 0:
             s["cross_pop_overlap"] = cross_pop_overlap(gates.float(), idx, c.moe.n_pop_a)
+        if c.moe.bias_balance:  # how far the balancing has had to push: the largest bias in the layer
+            s["bias_drift"] = self.expert_bias.abs().max()
         return s
 
     def take_load(self):
