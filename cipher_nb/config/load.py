@@ -377,14 +377,15 @@ def model_rules(m: ModelConfig) -> list:
             f"model.recurrence.backprop_loops ({loop.backprop_loops}) cannot exceed model.recurrence.n_loops "
             f"({loop.n_loops})",
         ),
-        (0 < bp.rate < 1, f"model.boundary.rate ({bp.rate}) must lie strictly between 0 and 1"),
-        (bp.temperature > 0, f"model.boundary.temperature ({bp.temperature}) must be positive"),
         (
             0 <= bp.threshold_momentum < 1,
             f"model.boundary.threshold_momentum ({bp.threshold_momentum}) must lie in [0, 1)",
         ),
         (bp.hinge_sigmas >= 0, f"model.boundary.hinge_sigmas ({bp.hinge_sigmas}) cannot be negative"),
-        (0 <= m.dropout < 1, f"model.dropout ({m.dropout}) must lie in [0, 1): the share of activations dropped"),
+        (  # a dense model has no router: a weight given for one is a mistake, the default one is inert
+            moe.n_routed or moe.balance_loss_weight == MoEConfig.balance_loss_weight,
+            "model.moe.balance_loss_weight is set but model.moe.n_routed is 0: a dense model has no router to balance",
+        ),
         (
             not bp.enabled or m.vocab == 272,
             f"model.boundary.enabled needs the byte vocabulary: model.vocab is {m.vocab}, expected 272",
