@@ -166,7 +166,8 @@ def heldout_metrics(
         with autocast(device, dtype):
             out = model(**{**b, "labels": labels})
         n = (labels != -100).sum()
-        sums += torch.stack([out.loss.double() * n, n.double(), nb.sum().double()])
+        nats = torch.where(n > 0, out.loss.double() * n, 0.0)  # a fully masked batch (padding) adds nothing, not NaN
+        sums += torch.stack([nats, n.double(), nb.sum().double()])
     nats, n, nbytes = sum_over_ranks(sums, env).tolist()
     if not n:  # 0 nats over 0 targets is no measurement, and would rank first as the best checkpoint
         raise NoHeldoutTargets(NO_TARGETS)

@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_stages.html.md"""
 # %% auto #0
 __all__ = ['LAYOUT_KEYS', 'MOVABLE_KEYS', 'STAGES', 'STAGE_SOURCES', 'global_rows', 'check_layout', 'check_same_data',
            'check_resume', 'check_stage_transition', 'check_data_identity', 'check_pinned', 'check_init_source',
-           'StageHooks']
+           'heldout_share', 'StageHooks']
 
 # %% ../../nbs/09b_persist_stages.ipynb #57c0002c
 from itertools import islice
@@ -186,6 +186,13 @@ def check_init_source(
         check_data_identity(meta.get("data_fingerprint", ""), data_fingerprint, path)
     return meta
 
+# %% ../../nbs/09b_persist_stages.ipynb #a95ce7ca
+def heldout_share(batches: list, rank: int, world_size: int) -> list:
+    "Rank `rank`'s turn of `batches` (every `world_size`-th), padded with fully masked copies to the same count."
+    mine, n = batches[rank::world_size], -(-len(batches) // world_size)
+    pad = {**batches[0], "labels": torch.full_like(batches[0]["labels"], -100)} if batches else None
+    return mine + [pad] * (n - len(mine))
+
 # %% ../../nbs/09b_persist_stages.ipynb #c6aaeb8a
 class StageHooks:
     "What a stage changes in a run; the default (pretrain, refinement) changes nothing."
@@ -215,8 +222,8 @@ class StageHooks:
         )
         if not has_heldout(cfg.data):
             return train, []
-        heldout = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "heldout", rank, world_size)
-        return train, list(islice(iter(heldout), cfg.training.eval_batches))
+        heldout = build_loader(cfg.data, cfg.training, cfg.schedule, cfg.model.vocab, "heldout", 0, 1)  # one order
+        return train, heldout_share(list(islice(iter(heldout), cfg.training.eval_batches)), rank, world_size)
 
     def export_model(self, model: nn.Module) -> nn.Module:
         "The model to export (SFT: LoRA merged into the weights)."
