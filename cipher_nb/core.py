@@ -89,7 +89,7 @@ def autocast(device: torch.device, dtype: torch.dtype):
         return nullcontext()
     return torch.autocast(device.type, dtype=dtype)
 
-# %% ../nbs/00_core.ipynb #98412c32
+# %% ../nbs/00_core.ipynb #2f4207c5
 @dataclass(frozen=True)
 class DistEnv:
     "Who this process is in a (possibly single-process) job."
@@ -106,13 +106,13 @@ class DistEnv:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-
+# %% ../nbs/00_core.ipynb #6b5a9a69
 def dist_env(environ=None) -> DistEnv:
     "Read RANK / WORLD_SIZE / LOCAL_RANK as `torchrun` sets them."
     e = os.environ if environ is None else environ
     return DistEnv(int(e.get("RANK", 0)), int(e.get("WORLD_SIZE", 1)), int(e.get("LOCAL_RANK", 0)))
 
-
+# %% ../nbs/00_core.ipynb #f621fed7
 def dist_backend(device: torch.device) -> str:
     "NCCL between GPUs, gloo between CPU processes."
     return "nccl" if device.type == "cuda" else "gloo"

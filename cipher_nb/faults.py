@@ -21,10 +21,14 @@ from .callbacks import Callback
 
 # %% ../nbs/01b_faults.ipynb #af406664
 SAVE_POINTS = ("write", "rename", "marker")  # the state file half written; the directory complete; renamed, unmarked
+
+
 SAVE_ACTIONS = ("die", "pause", "enospc", "sigterm", "sigint")
+
+
 _armed = {}  # point -> action, while armed
 
-
+# %% ../nbs/01b_faults.ipynb #2ca4dca8
 def arm_save_fault(point: str, action: str = "die"):
     "Make the next save that reaches `point` die, pause, find the disk full or receive a signal (`SAVE_ACTIONS`)."
     if point not in SAVE_POINTS:
@@ -33,7 +37,7 @@ def arm_save_fault(point: str, action: str = "die"):
         raise ValueError(f"save fault action {action!r} unknown: use one of {', '.join(SAVE_ACTIONS)}")
     _armed[point] = action
 
-
+# %% ../nbs/01b_faults.ipynb #534a3007
 def disarm_save_fault(point: str = None):
     "Clear the fault armed at `point`, or every fault: saves run through those points again."
     if point is None:
@@ -41,7 +45,7 @@ def disarm_save_fault(point: str = None):
     else:
         _armed.pop(point, None)
 
-
+# %% ../nbs/01b_faults.ipynb #b9a547eb
 def save_fault_armed() -> bool:
     "Whether a save fault is armed."
     return bool(_armed)
@@ -66,10 +70,14 @@ def save_fault_point(name: str):
 
 # %% ../nbs/01b_faults.ipynb #f1d110ae
 IN_SAVE = {"kill-in-save": "die", "pause-in-save": "pause", "enospc-in-save": "enospc"}
+
+
 IN_SAVE |= {"sigterm-in-save": "sigterm", "sigint-in-save": "sigint"}
+
+
 FAULT_KINDS = ("kill", "sigterm", "sigint", "nonfinite", "oom", "alloc", "stall", *IN_SAVE, "sigterm-in-export")
 
-
+# %% ../nbs/01b_faults.ipynb #0ac6af17
 @dataclass(frozen=True)
 class Fault:
     "One injected fault: what, at which completed step, and for the in-save kinds where in the save."
@@ -78,7 +86,7 @@ class Fault:
     step: int
     point: str = "write"
 
-
+# %% ../nbs/01b_faults.ipynb #3ca29cfb
 def parse_faults(spec: str) -> list:
     "The faults of a `--fault` SPEC such as `kill@6` or `nonfinite@2,kill-in-save:rename@4`."
     out = []

@@ -16,12 +16,12 @@ from ..config.load import ConfigError, DataConfig, ScheduleConfig, TrainConfig
 from .loader import Loader, mixture_loader
 from .sources import source_specs
 
-# %% ../../nbs/03_data_curriculum.ipynb #a7a37716
+# %% ../../nbs/03_data_curriculum.ipynb #a553408b
 def step_boundary(frac: float, max_steps: int) -> int:
     "The first step at or after `frac` of training (robust to float round-off)."
     return math.ceil(round(frac * max_steps, 9))
 
-
+# %% ../../nbs/03_data_curriculum.ipynb #a653dad4
 @dataclass(frozen=True)
 class Phase:
     "One phase of the curriculum: steps [start, end) read the mixture `mix` (weights summing to 1)."

@@ -159,7 +159,7 @@ def open_source(
         return ShardStream(spec.path, split, g, n, seed, epochs, spec.name)
     return open_stream(spec, split, g, n, seed, heldout_frac, epochs, tail, max_bytes)
 
-
+# %% ../../nbs/02b_data_loader.ipynb #c3edfa95
 def verify_prepared(data: DataConfig):
     "Check each prepared source of `data` against its manifest and the run's codec: a `DataError` on a difference."
     for spec in split_sources(data, "train")[0].values():
@@ -171,7 +171,7 @@ def verify_prepared(data: DataConfig):
 def _uniform(names):
     return {n: 1.0 for n in names}
 
-
+# %% ../../nbs/02b_data_loader.ipynb #172bb410
 def _NO_MIX(step):
     return {}  # no curriculum: every source equally likely
 
@@ -365,12 +365,12 @@ def planned(data: DataConfig, split: str, epochs=None) -> bool:
     one = len(specs) == 1 and next(iter(specs.values())).source == "shards"
     return split == "train" and epochs is None and not data.phases and one
 
-
+# %% ../../nbs/02b_data_loader.ipynb #56fc501d
 def plan_state(batches: int) -> dict:
     "A `PlanReader`'s state after `batches` batches, with the keys `Loader.stats` reads (nothing to count)."
     return dict(batches=batches, counts={}, sources={}, truncated=0)
 
-
+# %% ../../nbs/02b_data_loader.ipynb #99827c97
 class PlanReader:
     "One loader worker's micro-batches of one rank, read from the replay plan; `state()` / `restore()` as a `Packer`'s."
 
@@ -413,11 +413,11 @@ class PlanReader:
 # %% ../../nbs/02b_data_loader.ipynb #4529e298
 WORKER_BLOCK = 8  # batches a DataLoader worker sends at once
 
-
+# %% ../../nbs/02b_data_loader.ipynb #c16d2d33
 def _identity(x):
     return x
 
-
+# %% ../../nbs/02b_data_loader.ipynb #3dd078e7
 class _Readers(torch.utils.data.IterableDataset):
     "The readers of one rank, one per DataLoader worker; yields (reader, [(numpy batch, state), ...]) by blocks."
 
@@ -439,7 +439,7 @@ class _Readers(torch.utils.data.IterableDataset):
             if len(out) < want:
                 return
 
-
+# %% ../../nbs/02b_data_loader.ipynb #4799eff1
 def _make_packer(data, training, split, rank, world_size, n_workers, mix, epochs, block, w):
     if planned(data, split, epochs):
         return PlanReader(data, training, rank, world_size, w, n_workers, block)

@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_harness.html.md"""
 # %% auto #0
 __all__ = ['text_examples', 'text_batches', 'bits_per_byte', 'score_continuations', 'load_mc', 'multiple_choice', 'filter_probs',
            'Sampling', 'sampling_of', 'prompt_ids', 'can_cache', 'left_pad', 'stream_batch', 'sample_batch',
-           'sample_ids', 'generate', 'generate_batch', 'stream_text', 'load_model', 'mc_protocol', 'mc_entry',
+           'sample_ids', 'generate_batch', 'stream_text', 'generate', 'load_model', 'mc_protocol', 'mc_entry',
            'record_benchmark', 'heldout_texts', 'cipher_eval', 'cipher_gate']
 
 # %% ../../nbs/12_eval_harness.ipynb #d7db4f55
@@ -58,7 +58,7 @@ def text_examples(texts, codec, seq_len: int) -> list:
             out.append(Example(f"text {i} piece {k}", piece, np.r_[False, np.ones(len(piece) - 1, bool)]))
     return out
 
-
+# %% ../../nbs/12_eval_harness.ipynb #9ffda736
 def text_batches(texts, codec, seq_len: int, batch_size: int = 8) -> list:
     "Held-out text as packed batches (the batch contract, with `doc_ids` and `position_ids`)."
     arrays = pack_examples(text_examples(texts, codec, seq_len), seq_len, codec.pad)
@@ -67,7 +67,7 @@ def text_batches(texts, codec, seq_len: int, batch_size: int = 8) -> list:
         for s in range(0, len(arrays["input_ids"]), batch_size)
     ]
 
-
+# %% ../../nbs/12_eval_harness.ipynb #2e27816c
 def bits_per_byte(
     model: nn.Module, codec, texts, seq_len: int, batch_size: int = 8, device=None, dtype=torch.float32
 ) -> dict:
@@ -90,7 +90,7 @@ def _bp_kwargs(model: nn.Module, bp_mode: str = None) -> dict:
         return {}
     return dict(bp_mode=check_bp_mode(bp_mode or bp.mode, generating=True))
 
-
+# %% ../../nbs/12_eval_harness.ipynb #195376b6
 @torch.no_grad()
 def score_continuations(model: nn.Module, codec, context: str, choices, sep: str = " ", bp_mode: str = None) -> list:
     "`[(log-likelihood, bytes), ...]`: each choice's continuation `sep + choice` scored after `BOS + context`."
@@ -139,7 +139,7 @@ def load_mc(path, labels=None) -> list:
         out.append(dict(context=r["context"], choices=list(r["choices"]), label=int(r["label"])))
     return out
 
-
+# %% ../../nbs/12_eval_harness.ipynb #0b2b7c80
 def multiple_choice(model: nn.Module, codec, items, sep: str = " ", bp_mode: str = None) -> dict:
     "Accuracy (`acc`) and byte-normalised accuracy (`acc_norm`) of zero-shot continuation scoring over `items`."
     was = model.training
@@ -202,7 +202,7 @@ class Sampling:
     context: int = None  # re-read only the last `context` ids each step (no KV cache)
     cache: bool = True  # generate through a KV cache where the model allows one
 
-
+# %% ../../nbs/12_eval_harness.ipynb #2102bd73
 def sampling_of(sampling: Sampling = None, **opts) -> Sampling:
     "`sampling` (the defaults when None) with the fields named in `opts` replaced."
     return replace(sampling or Sampling(), **opts)
@@ -216,12 +216,12 @@ def prompt_ids(prompt, codec, template: ChatTemplate = None) -> np.ndarray:
         return encode_spans(template.render(prompt, True), [], codec)[0]
     return render_conversation(prompt, codec, generation_prompt=True)[0]
 
-
+# %% ../../nbs/12_eval_harness.ipynb #272a7d4b
 def can_cache(model: nn.Module) -> bool:
     "Whether `model` generates through a KV cache: a `CipherModel` of a kind `cache_blocker` allows."
     return isinstance(model, CipherModel) and not cache_blocker(model.cfg)
 
-
+# %% ../../nbs/12_eval_harness.ipynb #2c8c606c
 def left_pad(rows, pad_id: int, device=None) -> tuple:
     "(ids [B, L] with each row left-padded by `pad_id`, the padding per row [B]) for id sequences of any length."
     L = max(len(r) for r in rows)
@@ -237,18 +237,18 @@ def _generators(seed, B: int, device) -> list:
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + b for b in range(B)]
     return [torch.Generator(device).manual_seed(int(s)) for s in seeds]
 
-
+# %% ../../nbs/12_eval_harness.ipynb #d79b9921
 def _draw(logits, gens, s: Sampling) -> list:
     "One id per row of `logits` [B, V], row b from generator `gens[b]`."
     probs = filter_probs(logits, s.temperature, s.top_k, s.top_p)
     return [int(torch.multinomial(probs[b], 1, generator=g)) for b, g in enumerate(gens)]
 
-
+# %% ../../nbs/12_eval_harness.ipynb #558edb98
 def _uncached_logits(model, rows, context, kw) -> torch.Tensor:
     "Last-position logits [B, V]: one forward of each row's whole sequence (or its last `context` ids)."
     return torch.cat([model(input_ids=r[None, -context:] if context else r[None], **kw).logits[:, -1] for r in rows])
 
-
+# %% ../../nbs/12_eval_harness.ipynb #5ae1204a
 @torch.no_grad()
 def stream_batch(model: nn.Module, prompts, sampling: Sampling = None, **opts):
     "Yield each step's new ids, one per prompt (None once a row has drawn a stop id), until all stop or `max_new`."
@@ -296,7 +296,7 @@ def sample_batch(model: nn.Module, prompts, sampling: Sampling = None, **opts) -
                 o.append(n)
     return out
 
-
+# %% ../../nbs/12_eval_harness.ipynb #844c382a
 def sample_ids(model: nn.Module, ids, sampling: Sampling = None, **opts) -> list:
     "New ids after `ids`, drawn one at a time until a stop id (not returned) or `max_new`."
     return sample_batch(model, [ids], sampling, **opts)[0]
@@ -307,12 +307,7 @@ def _text_sampling(codec, sampling: Sampling, opts: dict) -> Sampling:
     s = sampling_of(sampling, **opts)
     return s if s.stop is not None else replace(s, stop=(codec.eot, codec.eos))
 
-
-def generate(model: nn.Module, codec, prompt, sampling: Sampling = None, template: ChatTemplate = None, **opts) -> str:
-    "Text sampled after `prompt` (text or a conversation) from a byte or token model."
-    return generate_batch(model, codec, [prompt], sampling, template, **opts)[0]
-
-
+# %% ../../nbs/12_eval_harness.ipynb #6e904fbc
 def generate_batch(
     model: nn.Module, codec, prompts: list, sampling: Sampling = None, template: ChatTemplate = None, **opts
 ) -> list:
@@ -321,7 +316,7 @@ def generate_batch(
     new = sample_batch(model, ids, _text_sampling(codec, sampling, opts))
     return [codec.decode(n) for n in new]
 
-
+# %% ../../nbs/12_eval_harness.ipynb #c977af34
 def stream_text(model: nn.Module, codec, prompt, sampling: Sampling = None, template: ChatTemplate = None, **opts):
     "Yield the text sampled after `prompt` piece by piece as it is drawn (a byte that ends a UTF-8 character at once)."
     ids, shown = [], ""
@@ -334,6 +329,11 @@ def stream_text(model: nn.Module, codec, prompt, sampling: Sampling = None, temp
         if text.startswith(shown) and len(text) > len(shown):
             yield text[len(shown) :]
             shown = text
+
+# %% ../../nbs/12_eval_harness.ipynb #1de2775d
+def generate(model: nn.Module, codec, prompt, sampling: Sampling = None, template: ChatTemplate = None, **opts) -> str:
+    "Text sampled after `prompt` (text or a conversation) from a byte or token model."
+    return generate_batch(model, codec, [prompt], sampling, template, **opts)[0]
 
 # %% ../../nbs/12_eval_harness.ipynb #77e56909
 def load_model(path, device="cpu") -> tuple:
@@ -369,7 +369,7 @@ def mc_protocol(model: nn.Module, codec, items, sep: str = " ") -> dict:
         scoring="sum of log-probabilities (acc), per byte (acc_norm)",
     )
 
-
+# %% ../../nbs/12_eval_harness.ipynb #3a8d2417
 def mc_entry(path, mc, labels, result: dict, protocol: dict) -> dict:
     "The record's entry for one multiple-choice result: the model, the file and its hash, the scores, the protocol."
     files = [Path(mc)] + ([Path(labels)] if labels else [])
@@ -384,7 +384,7 @@ def mc_entry(path, mc, labels, result: dict, protocol: dict) -> dict:
         protocol={**split, **protocol},
     )
 
-
+# %% ../../nbs/12_eval_harness.ipynb #a913fe62
 def record_benchmark(path, entry: dict) -> Path:
     "Append `entry` to the `record.json` of the run holding `path` (an export or checkpoint) and refresh its card."
     path = Path(path).resolve()

@@ -48,7 +48,7 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 
     ang = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     return ang.cos() * scale, ang.sin() * scale
 
-
+# %% ../../nbs/05d_model_attention.ipynb #c2a749d7
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     "Rotate channel pairs (first half, second half) of `x` [B, H, T, hd] by the tables [B or 1, T, hd/2]."
     x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # fp32 at least (fp64 stays)
@@ -58,7 +58,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # %% ../../nbs/05d_model_attention.ipynb #d4b6ca5c
 ATTN_KERNELS = ("sdpa", "flex", "varlen")  # the values of config.AttnKernel
 
-
+# %% ../../nbs/05d_model_attention.ipynb #31fe98d5
 def attention_kernel(impl: str, device, needs_mask: bool, grad: bool = False) -> str:
     "The kernel for `model.attention.impl` on `device`: auto -> flex on CUDA when a mask is needed, else sdpa."
     dev = torch.device(device).type
@@ -106,19 +106,19 @@ def mask_mod(doc_ids=None, window: int = 0, valid=None):
 
     return mod
 
-
+# %% ../../nbs/05d_model_attention.ipynb #1aed689c
 @functools.cache
 def _compiled(fn):
     return torch.compile(fn)
 
-
+# %% ../../nbs/05d_model_attention.ipynb #e6181c7b
 def flex_functions(device) -> tuple:
     "(`create_block_mask`, `flex_attention`) for `device`: compiled once on CUDA, eager elsewhere."
     if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():  # a compiled block inlines flex
         return _compiled(create_block_mask), _compiled(flex_attention)
     return create_block_mask, flex_attention
 
-
+# %% ../../nbs/05d_model_attention.ipynb #c33bada4
 def block_mask(T: int, doc_ids=None, window: int = 0, valid=None, B: int = 1, device=None) -> BlockMask:
     "FlexAttention `BlockMask` for causal attention over T positions with the document / window / validity rules."
     if doc_ids is not None:
@@ -155,7 +155,7 @@ class AttnMask:
     window: int = 0  # varlen: sliding window (0 = none)
     causal: bool = True  # sdpa: False for a decode step, whose one query sees every cached key the mask allows
 
-
+# %% ../../nbs/05d_model_attention.ipynb #9e50e58d
 def build_attn_mask(kernel: str, T: int, doc_ids=None, window: int = 0, valid=None, B: int = 1, device=None):
     "The `AttnMask` for `kernel` over T positions (a validity mask under varlen falls back to dense sdpa)."
     if kernel == "flex":
@@ -171,7 +171,7 @@ def varlen_window_size(window: int) -> tuple:
     "Flash's `window_size = (left, right)` (query i sees keys i - left .. i + right) for a causal `window`."
     return (window - 1, 0) if window else (-1, 0)
 
-
+# %% ../../nbs/05d_model_attention.ipynb #cfdd021b
 def _varlen(q, k, v, mask: AttnMask, gqa: bool):
     from torch.nn.attention.varlen import varlen_attn
 
@@ -203,7 +203,7 @@ class KVSlot(typing.NamedTuple):
     def update(self, *new) -> tuple:
         return self.cache.update(self.key, *new)
 
-
+# %% ../../nbs/05d_model_attention.ipynb #d5a78398
 class KVCache:
     "Cached tensors of every attention layer for generation: `max_len` slots, or a ring of `window` slots."
 
@@ -352,7 +352,7 @@ def build_attention(cfg: ModelConfig) -> nn.Module:
     "The attention layer `model.attention.kind` names: `Attention` (gqa) or `LatentAttention` (mla)."
     return LatentAttention(cfg) if cfg.attention.kind == "mla" else Attention(cfg)
 
-
+# %% ../../nbs/05d_model_attention.ipynb #2f0500aa
 def attention_kernels_used(model: nn.Module) -> str:
     "The kernels `model`'s attention layers ran on their last call, joined by '+' (e.g. 'flex', 'flex+sdpa')."
     used = {m.kernel for m in model.modules() if isinstance(m, (Attention, LatentAttention))}

@@ -24,9 +24,11 @@ from .context import CacheMiss, Context, run_blocks
 
 # %% ../../nbs/05c_model_recurrence.ipynb #5e0dad5f
 LTI_MIN_RATE = 0.01  # smallest decay rate: every eigenvalue of A is at most exp(-0.01), about 0.990
+
+# %% ../../nbs/05c_model_recurrence.ipynb #d5bb49a2
 LTI_INIT_DECAY = 0.5  # each channel keeps half of its state per loop at initialisation
 
-
+# %% ../../nbs/05c_model_recurrence.ipynb #702dcb28
 class LTIInjection(nn.Module):
     "The core's input `A * state + B e`, with a diagonal A = exp(-(softplus(a) + LTI_MIN_RATE)) in [0, 1)."
 
@@ -76,7 +78,7 @@ def build_injection(cfg: ModelConfig) -> tuple:
     d_in = d if r.injection == "lti" else 2 * d  # lti adapts B (on e), linear the whole map (on [state, e])
     return inject, LoopLoRA(r.n_loops, d_in, d, r.loop_lora_rank) if r.loop_lora_rank > 0 else None
 
-
+# %% ../../nbs/05c_model_recurrence.ipynb #fe44cf5c
 def inject_input(inject: nn.Module, state, e, lora: LoopLoRA = None, k: int = 0):
     "The core's input at loop `k`: `inject([state, e])` (linear) or `A state + B e` (lti), plus loop k's adapter."
     if isinstance(inject, LTIInjection):
@@ -97,7 +99,7 @@ def merged_injection(inject: nn.Module, lora: LoopLoRA, k: int) -> nn.Module:
 # %% ../../nbs/05c_model_recurrence.ipynb #87f544dd
 HALT_INIT_BIAS = 1.0  # Graves 2016: sigmoid(1) ~ 0.73, so an untrained token halts after two loops
 
-
+# %% ../../nbs/05c_model_recurrence.ipynb #9afb747a
 class HaltingUnit(nn.Module):
     "Each token's halting probability after a loop, `sigmoid(w . rms(state) + b)` [B, T]."
 
@@ -196,7 +198,7 @@ def _store_norm(norms: torch.Tensor, k: int, grad: torch.Tensor):
     with torch.no_grad():
         norms[k] = grad.detach().float().norm()
 
-
+# %% ../../nbs/05c_model_recurrence.ipynb #935d0188
 def watch_loop_grad(norms: torch.Tensor, k: int, state: torch.Tensor):
     "Have the backward pass write the norm of the gradient of loop k's output `state` into `norms[k]`."
     if state.requires_grad:

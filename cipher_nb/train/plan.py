@@ -51,18 +51,26 @@ class GPU:
     name: str
     memory_gib: float
 
-
+# %% ../../nbs/10e_train_plan.ipynb #d4fc1f17
 GPUS = {
     "h100": GPU("H100 SXM 80 GB", 79.6),  # 81,559 MiB as nvidia-smi reports it
     "h200": GPU("H200 141 GB", 140.4),  # 143,771 MiB
     "a100": GPU("A100 80 GB", 80.0),  # 81,920 MiB
 }
+
+# %% ../../nbs/10e_train_plan.ipynb #4a89dd43
 CUDA_CONTEXT_GIB = 1.0  # the CUDA context, cuBLAS / cuDNN workspaces and the kernels one process loads
+
+
 NCCL_GIB = 1.0  # NCCL's communication buffers on a node of 8
+
+# %% ../../nbs/10e_train_plan.ipynb #b49f1d92
 HEADROOM = 0.10  # the share of usable memory a plan leaves free: allocator fragmentation, what a trace misses
+
+# %% ../../nbs/10e_train_plan.ipynb #e11bae93
 GiB = 2**30
 
-
+# %% ../../nbs/10e_train_plan.ipynb #c8a36081
 def capacity_gib(gpu: str) -> float:
     "Usable memory of `gpu` in GiB: its memory less the CUDA context and NCCL's buffers."
     if gpu not in GPUS:
@@ -74,17 +82,17 @@ def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     "FLOPs of a grouped product: every row of `a` meets one expert's [K, M] block."
     return 2 * math.prod(a_shape) * b_shape[-1]
 
-
+# %% ../../nbs/10e_train_plan.ipynb #cab5fb66
 def cpu_attention_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     "FLOPs of the CPU flash kernel's forward: q k^T and p v over every key (no causal halving)."
     return sdpa_flop_count(q_shape, k_shape, v_shape)
 
-
+# %% ../../nbs/10e_train_plan.ipynb #18583b86
 def cpu_attention_backward_flop(g_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     "Model FLOPs of the CPU flash kernel's backward: twice its forward (its recompute of the scores is not counted)."
     return 2 * sdpa_flop_count(q_shape, k_shape, v_shape)
 
-
+# %% ../../nbs/10e_train_plan.ipynb #fc2ceb70
 def register_flop_formulas():
     "Teach `FlopCounterMode` the grouped expert products and the CPU attention kernels (once per process)."
     aten = torch.ops.aten
@@ -127,7 +135,7 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return flash(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :dv]
 
-
+# %% ../../nbs/10e_train_plan.ipynb #045fa276
 @contextmanager
 def gpu_attention():
     "While it lasts, attention whose values are narrower than its keys (MLA) runs the CPU flash kernel, as a GPU would."
@@ -147,6 +155,8 @@ def gpu_attention():
 
 # %% ../../nbs/10e_train_plan.ipynb #3ce73a3b
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+
 _CATEGORY = {  # MemTracker's and FSDPMemTracker's labels
     "Parameter": "parameters",
     "Buffer": "parameters",
@@ -159,9 +169,11 @@ _CATEGORY = {  # MemTracker's and FSDPMemTracker's labels
     "OptState": "optimizer",  # FSDPMemTracker spells it so
     "Activation": "activations",
 }  # the rest (Temp, Other, All Gather, Reduce Scatter, Inputs): temporaries
+
+# %% ../../nbs/10e_train_plan.ipynb #cb777a53
 OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")  # what FSDP2's CPU offload keeps in host memory
 
-
+# %% ../../nbs/10e_train_plan.ipynb #c3b37d05
 class PhasePeaks:
     "Mixin for a memory tracker: the snapshot at the peak of each phase of the step (set `phase` as the step runs)."
 
@@ -183,11 +195,11 @@ class PhasePeaks:
         if sum(by.values()) > sum(peaks.get(self.phase, {}).values()):
             peaks[self.phase] = by
 
-
+# %% ../../nbs/10e_train_plan.ipynb #b7e9c2c0
 class PhaseTracker(PhasePeaks, MemTracker):
     "`MemTracker` keeping each phase's peak."
 
-
+# %% ../../nbs/10e_train_plan.ipynb #ead0dc4c
 class FSDPPhaseTracker(PhasePeaks, FSDPMemTracker):
     "`FSDPMemTracker` keeping each phase's peak."
 
@@ -211,7 +223,7 @@ def gpu_dtype(precision: str) -> torch.dtype:
     "The autocast dtype `precision` trains in on a bf16-capable GPU."
     return {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
 
-
+# %% ../../nbs/10e_train_plan.ipynb #49b93aa8
 def prime_state(model, parts):
     "Step each optimizer once on zero gradients: every step after the first holds its state through the whole step."
     for p in model.parameters():
@@ -221,7 +233,7 @@ def prime_state(model, parts):
         o.step()
         o.zero_grad(set_to_none=True)
 
-
+# %% ../../nbs/10e_train_plan.ipynb #5383167d
 def traced_step(model, opt, ids, dtype, tracker):
     "One training step of `model` on `ids` under `tracker`, which it tells the phase."
     with tracker:
@@ -276,7 +288,7 @@ def planned_segments(m: ModelConfig, seq_len: int) -> int:
     "Segments per row at the boundary predictor's planned rate (all bytes without a predictor)."
     return max(1, round(seq_len * m.boundary.rate)) if m.boundary.enabled else seq_len
 
-
+# %% ../../nbs/10e_train_plan.ipynb #041c06d2
 def count_flops(m: ModelConfig, training: TrainConfig, micro_batch: int = 1) -> int:
     "Model FLOPs of one forward and backward at `micro_batch` (no checkpointing), on fake tensors."
     register_flop_formulas()
@@ -301,10 +313,10 @@ def phase_lines(b1: int, p1: dict, b2: int, p2: dict) -> dict:
         lines[phase] = (t1 - slope * b1, slope)
     return lines
 
-
+# %% ../../nbs/10e_train_plan.ipynb #f721ff78
 MOST_MICRO_BATCH = 256  # the search stops here: a larger micro-batch is no one's plan (and slow to trace)
 
-
+# %% ../../nbs/10e_train_plan.ipynb #bca800c2
 def largest_fit(lines: dict, limit: float, most: int = MOST_MICRO_BATCH) -> int:
     "The largest micro-batch (at most `most`) whose every phase stays under `limit` bytes on `lines`; 0 if none."
     best = most
@@ -352,7 +364,7 @@ def peak(phases: dict) -> tuple:
     "(phase, its categories) of the highest total."
     return max(phases.items(), key=lambda kv: sum(kv[1].values()))
 
-
+# %% ../../nbs/10e_train_plan.ipynb #7f707385
 def search_micro_batch(trace, traced: dict, limit: float) -> int:
     "The largest micro-batch under `limit` bytes: fit a line through two traces, check it with a third."
     sizes = sorted(traced)
@@ -367,7 +379,7 @@ def search_micro_batch(trace, traced: dict, limit: float) -> int:
         best = min(best - 1, largest_fit(phase_lines(lo, traced[lo], best, traced[best]), limit))
     return best
 
-
+# %% ../../nbs/10e_train_plan.ipynb #7645d0fa
 def plan_run(m: ModelConfig, t: TrainConfig, optim: OptimConfig, world: int = 8, gpu: str = "h100") -> Plan:
     "The per-GPU plan of a run on `world` GPUs of kind `gpu`, from fake tensors on this CPU."
     cap = capacity_gib(gpu)
@@ -423,7 +435,7 @@ def misfit_line(p: Plan, training: TrainConfig) -> str:
         f"{smallest}; try {', then '.join(plan_fixes(p, training)) or 'more GPUs or a larger one'}"
     )
 
-
+# %% ../../nbs/10e_train_plan.ipynb #0907cf2c
 def plan_lines(p: Plan) -> list:
     "The plan as a short table a person reads in ten seconds."
     gpu, c = GPUS[p.gpu], p.categories_gib

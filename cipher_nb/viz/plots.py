@@ -84,7 +84,7 @@ def load_run(run_dir) -> tuple:
 # %% ../../nbs/13_viz_plots.ipynb #4a6f1ff3
 LOAD_KEY = re.compile(r"router/layer(\d+)_load_(\d+)")
 
-
+# %% ../../nbs/13_viz_plots.ipynb #ad9ca11a
 def expert_load_matrix(rows: list, layer: int) -> tuple:
     "(steps [S], loads [E, S]) of one layer from `router/layer{layer}_load_{e}`; empty when the rows have none."
     n = 1 + max(
@@ -104,7 +104,7 @@ def note_panel(ax, text: str):
     ax.set_xticks([])
     ax.set_yticks([])
 
-
+# %% ../../nbs/13_viz_plots.ipynb #09a3965e
 def _hline(ax, y: float, label: str, color="0.4"):
     ax.axhline(y, color=color, ls=":", lw=1, label=label)
 
@@ -183,7 +183,7 @@ def load_norm(loads, limit: float = None) -> TwoSlopeNorm:
     top = float(np.nanmax(loads)) if np.size(loads) and np.isfinite(loads).any() else 0.0
     return TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(top, limit, 1.0 + 1e-6))
 
-
+# %% ../../nbs/13_viz_plots.ipynb #4eda9939
 def plot_expert_load(rows: list, ax, layer: int, norm=None):
     "Heatmap of one MoE layer's per-expert load (experts x steps); returns the image, or None without data."
     ax.set_title(f"expert load, layer {layer}")
@@ -240,12 +240,12 @@ def loop_count(rows: list) -> int:
     "How many loops the rows' `loop/norm_K` series cover (0 without a recurrent core)."
     return max((int(k.rsplit("_", 1)[1]) for r in rows for k in r if re.fullmatch(r"loop/norm_\d+", k)), default=0)
 
-
+# %% ../../nbs/13_viz_plots.ipynb #df333409
 LOOP_TITLES = dict(
     norm="per-loop hidden norm", token_corr="per-loop token similarity", grad_norm="per-loop gradient norm"
 )
 
-
+# %% ../../nbs/13_viz_plots.ipynb #d44445ac
 def plot_loop_series(rows: list, ax, name: str = "norm", limit: float = None, log: bool = False):
     "One line per loop K of `loop/{name}_K` (`LOOP_TITLES` says what each is), `limit`, on a log scale if `log`."
     ax.set(title=LOOP_TITLES.get(name, f"per-loop {name}"), xlabel="step", yscale="log" if log else "linear")
@@ -266,7 +266,7 @@ def panel_titles(fig: Figure) -> list:
     "The titles of a figure's panels (axes without a title, such as colour bars, are not panels)."
     return [t for ax in fig.axes if (t := ax.get_title())]
 
-
+# %% ../../nbs/13_viz_plots.ipynb #459a39a9
 def _grid(n: int, ncols: int, panel=(4.6, 3.0)) -> tuple:
     "A figure with exactly `n` axes in rows of `ncols`."
     ncols = max(1, min(ncols, n))
@@ -421,7 +421,7 @@ def sample_text(n_chars: int = 400) -> str:
 
     return textwrap.dedent(_json.__doc__).strip()[:n_chars]
 
-
+# %% ../../nbs/13_viz_plots.ipynb #c847663d
 def boundary_figure(model: CipherModel, mode: str, text: str = None, width: int = 64) -> Figure:
     "A text with the model's boundaries in `mode` marked, and its boundary rate against the model's target."
     text = sample_text() if text is None else text
@@ -502,7 +502,7 @@ def plot_verdicts(verdicts: list, ax, key: str = "val/bpb"):
     if verdicts:
         ax.legend(fontsize=7)
 
-
+# %% ../../nbs/13_viz_plots.ipynb #120900ea
 def plot_ablation(runs: dict, keys=("loss", "val/loss"), verdict_key: str = "val/bpb") -> Figure:
     "One panel per metric in `keys`, one line per run; a paired ablation adds its verdicts on `verdict_key`."
     paired = len(runs) > 1 and all("/seed=" in name for name in runs)
@@ -542,7 +542,7 @@ def plot_isoflops(rows: list, fits: dict):
     axes[0][0].set_ylabel("held-out bpb")
     return fig
 
-
+# %% ../../nbs/13_viz_plots.ipynb #52741ddc
 def plot_frontiers(fits: dict, budgets, heldout_rows=(), cross=None):
     "Each family's compute-optimal bpb against budget with its 95% band; held-out runs predicted and measured."
     fig = PngFigure(figsize=(6.5, 4), layout="constrained")
