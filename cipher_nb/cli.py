@@ -30,17 +30,17 @@ def parse_command(func, argv: list = None, pos: list = None) -> tuple:
     head = [given.pop(n) for n, _ in names[: star[0]]]
     return head + list(given.pop(names[star[0]][0])), given
 
-# %% ../nbs/00b_cli.ipynb #9cbf5b35
+# %% ../nbs/00b_cli.ipynb #1701c005
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_OOM = 0, 1, 2, 3  # every command: finished, failed, a usage error, out of memory
 _running = ContextVar("cipher_nb_command", default=None)
 
-
+# %% ../nbs/00b_cli.ipynb #56c23dee
 def is_command(func=None) -> bool:
     "Whether a command runs from the command line now (`func`: whether it is that one)."
     running = _running.get()
     return running is not None if func is None else running is getattr(func, "__wrapped__", func)
 
-
+# %% ../nbs/00b_cli.ipynb #17baa09e
 def run_command(func, argv: list = None, pos: list = None):
     "Run `func` as a command with `argv`: the exit code it returns, or a `CliError` as one line and `EXIT_USAGE`."
     token = _running.set(func)
@@ -59,7 +59,7 @@ def refuse(command, message):
     "Stop the command `command` on bad input: a `CliError` (one line and `EXIT_USAGE` from a shell)."
     raise CliError(f"{command.__name__.replace('_', '-')}: {message}")
 
-# %% ../nbs/00b_cli.ipynb #3858328d
+# %% ../nbs/00b_cli.ipynb #2b1cd552
 def is_program(frame) -> bool:
     "Whether `frame` is the top level of a file run as a program: a console script, `python -m`, `python FILE`."
     g = frame.f_globals if frame else {}
@@ -67,7 +67,7 @@ def is_program(frame) -> bool:
         return False
     return Path(g["__file__"]).resolve() == Path(frame.f_code.co_filename).resolve()
 
-
+# %% ../nbs/00b_cli.ipynb #6233f7b0
 def command(func=None, pos: list = None):
     "A console command from `func`'s signature: options and positionals in any order; `pos`: optional positionals."
     if func is None:

@@ -35,7 +35,7 @@ from cipher_nb.config.load import (
     token_budget_steps,
 )
 
-# %% ../../nbs/01d_config_sizing.ipynb #73cb5b4c
+# %% ../../nbs/01d_config_sizing.ipynb #a660cfa2
 def attention_params(cfg: ModelConfig) -> int:
     "Parameters of one attention layer of `cfg` (GQA's four projections, or MLA's projections and norms)."
     a, d = cfg.attention, cfg.d_model
@@ -46,28 +46,28 @@ def attention_params(cfg: ModelConfig) -> int:
     kv = d * (a.kv_lora_rank + a.rope_head_dim) + a.kv_lora_rank + a.kv_lora_rank * a.n_heads * 2 * a.head_dim
     return q + kv + a.n_heads * a.head_dim * d
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #a671352a
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     "Training FLOPs per token of one layer's scores and weighted values over `seq_len` keys (3 x forward)."
     a = cfg.attention
     key = a.head_dim + (a.rope_head_dim if a.kind == "mla" else 0)
     return 3 * 2 * a.n_heads * (key + a.head_dim) * seq_len
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #83f5c0a2
 def cached_layers(cfg: ModelConfig) -> int:
     "Attention layers whose keys a generated position stores: the recurrent core once per loop, the byte layers too."
     r, b = cfg.recurrence, cfg.boundary
     n = cfg.n_layers + (r.n_loops - 1) * r.n_core if r.enabled else cfg.n_layers
     return n + (2 * b.n_byte_layers if b.enabled else 0)
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #c3d90a7e
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
     "KV-cache bytes per position over the whole model (bf16 values by default): K and V, or MLA's latent and RoPE key."
     a = cfg.attention
     per_layer = a.kv_lora_rank + a.rope_head_dim if a.kind == "mla" else 2 * a.n_kv_heads * a.head_dim
     return per_layer * cached_layers(cfg) * bytes_per_value
 
-# %% ../../nbs/01d_config_sizing.ipynb #e57ce2d1
+# %% ../../nbs/01d_config_sizing.ipynb #fac06616
 def block_params(m: ModelConfig, moe: bool) -> tuple:
     "(total, active) parameters of one transformer block."
     e = m.moe
@@ -84,11 +84,11 @@ def block_params(m: ModelConfig, moe: bool) -> tuple:
         expert = 3 * e.expert_rank * (m.d_model + e.shared_inter)
     return fixed + e.n_routed * expert, fixed + e.top_k * expert
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #787d7bfa
 def _is_moe(m: ModelConfig, i: int) -> bool:
     return m.moe.n_routed > 0 and i >= m.moe.n_dense_layers
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #78d5c3c1
 def recurrence_params(m: ModelConfig) -> int:
     "The recurrent core's own parameters: the injection (linear on [state, e], or lti), per-loop adapters, halting."
     d, r = m.d_model, m.recurrence
@@ -97,14 +97,14 @@ def recurrence_params(m: ModelConfig) -> int:
     n += max(1, r.n_loops) * r.loop_lora_rank * (d_in + d)
     return n + (d + 1 if r.halting else 0)  # halting unit: a weight vector and a bias
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #7696282c
 def engram_params(m: ModelConfig) -> tuple:
     "(table parameters, projection and norm parameters) of the Engram layers (`model.engram`)."
     e, n = m.engram, len(set(m.engram.layers))
     width = (e.max_ngram - 1) * e.dim  # what one position reads: dim per n-gram order
     return n * (e.max_ngram - 1) * e.table_size * e.dim, n * (2 * width * m.d_model + 2 * m.d_model)
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #a77ad840
 def byte_level_params(m: ModelConfig) -> int:
     "Parameters that run on every byte around the main stack: the byte layers and the boundary predictor (0 without)."
     if not m.boundary.enabled:
@@ -112,7 +112,7 @@ def byte_level_params(m: ModelConfig) -> int:
     bp = m.d_model * m.d_model + m.d_model + m.d_model + 1 + m.d_model  # MLP d->d->1 and the null segment
     return 2 * m.boundary.n_byte_layers * block_params(m, False)[0] + bp
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #a8c4a02b
 def param_counts(m: ModelConfig) -> dict:
     "Total and per-token active parameters, with and without the embedding and head."
     blocks = [block_params(m, _is_moe(m, i)) for i in range(m.n_layers)]
@@ -191,7 +191,7 @@ def kv_cache_line(m: ModelConfig) -> str:
         line += f"; grouped-query attention with {m.attention.n_kv_heads} KV heads: {gqa:,} ({gqa / n:.1f}x MLA)"
     return line
 
-# %% ../../nbs/01d_config_sizing.ipynb #2df2efea
+# %% ../../nbs/01d_config_sizing.ipynb #b2acee3c
 def prepared_tokens(data: DataConfig) -> int:
     "The training tokens of a prepared shards directory (`data.source: shards`), from its manifest; 0 otherwise."
     f = Path(data.path).expanduser() / "manifest.json"  # the format: cipher_nb.data.shards (a later band)
@@ -199,14 +199,14 @@ def prepared_tokens(data: DataConfig) -> int:
         return 0
     return int(json.loads(f.read_text()).get("tokens", {}).get("train", 0))
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #ae4acf9c
 def horizon_key(s: ScheduleConfig) -> str:
     "The key that sets the horizon of `s`, with its value: a budget's (tokens, epochs, time), else `max_steps`."
     key = next((k for k in ("target_tokens", "epochs", "time_budget") if getattr(s, k)), "max_steps")
     v = getattr(s, key)
     return f"schedule.{key} = " + (f"{v:,}" if isinstance(v, int) else f"{v:g}" if isinstance(v, float) else v)
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #f4d45961
 def plan_line(t: TrainConfig, s: ScheduleConfig, world_size: int = 1, data_tokens: int = 0) -> str:
     "`cipher-config`'s plan: what sets the horizon, its steps, tokens and (given the data's size) epochs."
     per_step, key, head = global_batch_tokens(t, world_size), horizon_key(s), f"# plan at {world_size} rank(s): "
@@ -227,13 +227,13 @@ def plan_line(t: TrainConfig, s: ScheduleConfig, world_size: int = 1, data_token
         line += f"; schedule.max_steps caps it at {steps / bought:.1%} of the {bought:,} steps it buys"
     return line
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #55f626a4
 HORIZON_RULE = (
     "# horizon: one of schedule.max_steps, target_tokens, epochs or time_budget sets it; max_steps beside a budget "
     "caps it (0: no cap)"
 )
 
-# %% ../../nbs/01d_config_sizing.ipynb #bfdc4b29
+# %% ../../nbs/01d_config_sizing.ipynb #f20d5e57
 def describe(cfg: Config) -> str:
     "The resolved config as YAML, then parameter counts, FLOPs per token and the hash."
     pc = param_counts(cfg.model)
@@ -250,7 +250,7 @@ def describe(cfg: Config) -> str:
     ]
     return "\n".join(lines)
 
-
+# %% ../../nbs/01d_config_sizing.ipynb #f0a719bb
 @command(pos=["path"])
 def cipher_config(
     path: str = None,  # a YAML preset, e.g. examples/configs/h100.yaml (default: the built-in defaults)

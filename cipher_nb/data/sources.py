@@ -11,7 +11,7 @@ __all__ = ['SOURCE_KINDS', 'COMMIT_RE', 'HF_ROWS', 'HF_MAX_SKIP', 'HELDOUT_SOURC
            'source_documents', 'prepare_sources', 'check_trainable', 'prepared_hash', 'data_manifest',
            'data_fingerprint']
 
-# %% ../../nbs/02_data_sources.ipynb #a6bad338
+# %% ../../nbs/02_data_sources.ipynb #cbf0edc8
 import functools
 import hashlib
 import json
@@ -24,7 +24,7 @@ from typing import get_args
 
 import numpy as np
 
-from ..config.load import Config, ConfigError, DataConfig, Source
+from ..config.load import ConfigError, DataConfig, Source
 from ..core import dist_env
 from .corpora import mock_docs, mock_scripts, stdlib_docs, stdlib_files
 from cipher_nb.data.documents import (  # noqa: F401 (moved to data.documents; the old import path still works)
@@ -39,7 +39,7 @@ from cipher_nb.data.documents import (  # noqa: F401 (moved to data.documents; t
     resolve_files,
 )
 
-# %% ../../nbs/02_data_sources.ipynb #8f212503
+# %% ../../nbs/02_data_sources.ipynb #be436911
 @dataclass(frozen=True)
 class SourceSpec:
     "Where one source's documents come from."
@@ -52,10 +52,10 @@ class SourceSpec:
     text_field: str = "text"
     revision: str = ""
 
-
+# %% ../../nbs/02_data_sources.ipynb #78ac93c0
 SOURCE_KINDS = get_args(Source)
 
-
+# %% ../../nbs/02_data_sources.ipynb #2eba8d4c
 def source_specs(data_cfg: DataConfig) -> dict:
     "The run's sources by name: `data.sources`, or the top-level fields as one source `main`."
     d = data_cfg
@@ -92,24 +92,24 @@ def source_specs(data_cfg: DataConfig) -> dict:
         out[spec.name] = spec
     return out
 
-# %% ../../nbs/02_data_sources.ipynb #1b55bdf6
+# %% ../../nbs/02_data_sources.ipynb #dc8a72f0
 COMMIT_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a git commit (sha1 or sha256)
 
-
+# %% ../../nbs/02_data_sources.ipynb #a5b3a526
 class UnpinnedWarning(UserWarning):
     "A hub source without a commit revision: its documents can change under the same name."
 
-
+# %% ../../nbs/02_data_sources.ipynb #d08ffc39
 def is_commit(revision: str) -> bool:
     "Whether a hub revision names one commit rather than a branch or tag that can move."
     return bool(COMMIT_RE.fullmatch(revision or ""))
 
-
+# %% ../../nbs/02_data_sources.ipynb #685dde1e
 def unpinned_sources(data_cfg: DataConfig) -> list:
     "The hub sources of `data_cfg` whose revision is not a commit hash, sorted by name."
     return [s for _, s in sorted(source_specs(data_cfg).items()) if s.source == "hub" and not is_commit(s.revision)]
 
-
+# %% ../../nbs/02_data_sources.ipynb #22ed4321
 def pin_hint(data_cfg: DataConfig, spec: SourceSpec) -> str:
     "One line: which source is unpinned and which key pins it."
     key = f"data.sources.{spec.name}.revision" if data_cfg.sources else "data.revision"
@@ -119,7 +119,7 @@ def pin_hint(data_cfg: DataConfig, spec: SourceSpec) -> str:
         f"pin it with {key}=<commit hash of the dataset>"
     )
 
-
+# %% ../../nbs/02_data_sources.ipynb #0ec4c107
 def warn_unpinned(data_cfg: DataConfig) -> list:
     "Warn (`UnpinnedWarning`, on the main rank only) once per unpinned hub source; return the warning lines."
     lines = [pin_hint(data_cfg, s) for s in unpinned_sources(data_cfg)]
@@ -127,16 +127,16 @@ def warn_unpinned(data_cfg: DataConfig) -> list:
         warnings.warn(line, UnpinnedWarning, stacklevel=2)
     return lines
 
-# %% ../../nbs/02_data_sources.ipynb #714e353e
+# %% ../../nbs/02_data_sources.ipynb #ce7b8138
 class DataError(ValueError):
     "Bad input data: the message names the source, what was found and what to do."
 
-
+# %% ../../nbs/02_data_sources.ipynb #838c1b2d
 def seed_of(*parts) -> int:
     "A 64-bit number fixed by `parts`: seeds a shuffle or a draw without any saved random state."
     return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
 
-
+# %% ../../nbs/02_data_sources.ipynb #2df81785
 @functools.lru_cache(None)
 def _file_meta(files: tuple) -> tuple:
     "Each file's held-out hash (of its first piece) and size, read once per process."
@@ -146,12 +146,12 @@ def _file_meta(files: tuple) -> tuple:
             out.append((doc_hash(fh.read(PIECE_BYTES)), os.fstat(fh.fileno()).st_size))
     return tuple(out)
 
-
+# %% ../../nbs/02_data_sources.ipynb #c93f27d9
 @functools.lru_cache(None)
 def _doc_hashes(docs: tuple) -> tuple:
     return tuple(doc_hash(d) for d in docs)
 
-# %% ../../nbs/02_data_sources.ipynb #852c7aee
+# %% ../../nbs/02_data_sources.ipynb #876fc35a
 def _span(size: int, split: str, tail: int) -> tuple:
     "The bytes [a, b) of a document that `split` reads: all, or without (train) or only (held-out) its last `tail`."
     if not tail:
@@ -159,7 +159,7 @@ def _span(size: int, split: str, tail: int) -> tuple:
     cut = max(size - tail, 0)
     return (cut, size) if split == "heldout" else (0, cut)
 
-
+# %% ../../nbs/02_data_sources.ipynb #ca97fc29
 @functools.lru_cache(None)
 def _file_parts(files: tuple, split: str, tail: int, max_bytes: int) -> tuple:
     "(file index, start, stop) arrays of the documents `files` hold in `split`, long files cut by `file_cuts`."
@@ -273,9 +273,11 @@ class ListStream:
             "data.heldout_tail_bytes"
         )
 
-# %% ../../nbs/02_data_sources.ipynb #efb7e3ca
+# %% ../../nbs/02_data_sources.ipynb #8ee708d6
 HF_ROWS = 256  # rows fetched from a datasets stream at a time
 HF_MAX_SKIP = 10_000  # rows in a row without a document of the split before a stream is refused (never spin)
+
+# %% ../../nbs/02_data_sources.ipynb #50920c07
 _HAS_STRATEGY = None  # whether this datasets' split_dataset_by_node takes `strategy` (newer than 3.0)
 
 
@@ -294,7 +296,7 @@ def _load_hf(spec: SourceSpec):
         spec.path, name=spec.subset or None, split=spec.split, streaming=True, revision=spec.revision or None
     )
 
-
+# %% ../../nbs/02_data_sources.ipynb #da84bd90
 def _check_text_field(spec: SourceSpec, columns):
     if columns is not None and spec.text_field not in columns:
         raise DataError(
@@ -302,7 +304,7 @@ def _check_text_field(spec: SourceSpec, columns):
             f"Set data.text_field (or data.sources.{spec.name}.text_field) to one of them"
         )
 
-# %% ../../nbs/02_data_sources.ipynb #b1c3a188
+# %% ../../nbs/02_data_sources.ipynb #c96672d5
 def _has_strategy() -> bool:
     import inspect
 
@@ -310,7 +312,7 @@ def _has_strategy() -> bool:
 
     return "strategy" in inspect.signature(split_dataset_by_node).parameters
 
-
+# %% ../../nbs/02_data_sources.ipynb #e7832098
 class HFStream:
     "Reader `g` of `n` over a `datasets` stream (hub, jsonl, parquet), resumable at the row."
 
@@ -408,12 +410,12 @@ class HFStream:
             self._skipped = 0
             return data
 
-# %% ../../nbs/02_data_sources.ipynb #e80f3399
+# %% ../../nbs/02_data_sources.ipynb #3669356d
 def is_streamed(spec: SourceSpec) -> bool:
     "Whether a source is read as a `datasets` stream (hub, jsonl, parquet) rather than as a list of documents."
     return spec.source == "hub" or (spec.source == "files" and file_kind(resolve_files(spec.path)[0]) != "text")
 
-
+# %% ../../nbs/02_data_sources.ipynb #c50094f9
 def open_stream(
     spec: SourceSpec,
     split: str,
@@ -430,10 +432,10 @@ def open_stream(
         return HFStream(spec, split, g, n, seed, heldout_frac, epochs, tail)
     return ListStream(spec, split, g, n, seed, heldout_frac, epochs, tail, max_bytes)
 
-# %% ../../nbs/02_data_sources.ipynb #ea042d03
+# %% ../../nbs/02_data_sources.ipynb #2b68c9f5
 HELDOUT_SOURCE = "heldout"  # the name of the data.heldout_path source
 
-
+# %% ../../nbs/02_data_sources.ipynb #d1dd6e5b
 def heldout_mode(data_cfg: DataConfig) -> str:
     "How held-out documents are chosen: 'path', 'tail', 'hash' or 'none'."
     d = data_cfg
@@ -447,7 +449,7 @@ def heldout_mode(data_cfg: DataConfig) -> str:
         return "tail"
     return "hash" if d.heldout_frac > 0 else "none"
 
-
+# %% ../../nbs/02_data_sources.ipynb #32241ba7
 def split_sources(data_cfg: DataConfig, split: str = "train") -> tuple:
     "What `split` ('train' or 'heldout') reads: (its sources by name, the fraction held out by hash, the tail bytes)."
     mode = heldout_mode(data_cfg)
@@ -460,7 +462,7 @@ def split_sources(data_cfg: DataConfig, split: str = "train") -> tuple:
         return source_specs(data_cfg), (1.0 if split == "heldout" else 0.0), data_cfg.heldout_tail_bytes
     return source_specs(data_cfg), data_cfg.heldout_frac, 0
 
-# %% ../../nbs/02_data_sources.ipynb #e4a1dffd
+# %% ../../nbs/02_data_sources.ipynb #e97c6cc7
 def _list_meta(spec: SourceSpec) -> tuple:
     "(held-out hashes, sizes) of a source read as a list of documents."
     if spec.source in ("mock", "stdlib"):
@@ -468,7 +470,7 @@ def _list_meta(spec: SourceSpec) -> tuple:
         return _doc_hashes(docs), tuple(map(len, docs))
     return tuple(zip(*_file_meta(resolve_files(spec.path, f"source {spec.name!r} path")))) or ((), ())
 
-
+# %% ../../nbs/02_data_sources.ipynb #23373cc6
 def has_heldout(data_cfg: DataConfig) -> bool:
     "Whether the run has held-out documents (a streamed source under `hash` counts as having some)."
     if heldout_mode(data_cfg) == "none":
@@ -538,7 +540,7 @@ def check_trainable(data_cfg: DataConfig):
         if why := ListStream(spec, "train", 0, 1, 0, frac, tail=tail, max_bytes=data_cfg.max_bytes).why_empty(where):
             raise DataError(why)
 
-# %% ../../nbs/02_data_sources.ipynb #5f994455
+# %% ../../nbs/02_data_sources.ipynb #a27e095e
 @functools.lru_cache(None)
 def _content_hash(path: str, size: int, mtime: float) -> str:
     h = hashlib.blake2b(digest_size=16)
@@ -547,7 +549,7 @@ def _content_hash(path: str, size: int, mtime: float) -> str:
             h.update(chunk)
     return h.hexdigest()
 
-
+# %% ../../nbs/02_data_sources.ipynb #7e0bc2ec
 def _files_manifest(files) -> list:
     "[name relative to the files' common folder, content hash] per file: where the data lives does not matter."
     root = Path(os.path.commonpath([Path(f).parent for f in files]))
@@ -556,7 +558,7 @@ def _files_manifest(files) -> list:
         for f in files
     ]
 
-
+# %% ../../nbs/02_data_sources.ipynb #e870fd20
 def _text_files_manifest(files, d: DataConfig) -> dict:
     "The files' content, and `long_files` when a text file (or its part before or from the tail) exceeds max_bytes."
     out = dict(documents=_files_manifest(files))
@@ -566,7 +568,7 @@ def _text_files_manifest(files, d: DataConfig) -> dict:
         out["long_files"] = "split"  # into documents of at most max_bytes (`file_cuts`); before: cut at max_bytes
     return out
 
-
+# %% ../../nbs/02_data_sources.ipynb #373f47ee
 def _heldout_manifest(d: DataConfig) -> dict:
     "The held-out split: how it is made and, for a held-out file, its content."
     out = dict(mode=heldout_mode(d), frac=d.heldout_frac, tail_bytes=d.heldout_tail_bytes)
@@ -574,7 +576,7 @@ def _heldout_manifest(d: DataConfig) -> dict:
         out.update(_text_files_manifest(resolve_files(d.heldout_path, "data.heldout_path"), d))
     return out
 
-
+# %% ../../nbs/02_data_sources.ipynb #091681bc
 def _codec_manifest(d: DataConfig) -> dict:
     "The codec, with the tokenizer file's content hash (the same path can hold another tokenizer)."
     if d.codec != "tokenizer":
@@ -584,7 +586,7 @@ def _codec_manifest(d: DataConfig) -> dict:
         raise FileNotFoundError(f"data.tokenizer = '{d.tokenizer}' is not a file: give the path of a tokenizer.json")
     return dict(kind=d.codec, tokenizer=_content_hash(str(p), (s := p.stat()).st_size, s.st_mtime))
 
-
+# %% ../../nbs/02_data_sources.ipynb #65cf9845
 def prepared_hash(path) -> str:
     "SHA-256 of a prepared directory's manifest (which names every shard's hash); a `DataError` without one."
     f = Path(path).expanduser() / "manifest.json"
@@ -595,7 +597,7 @@ def prepared_hash(path) -> str:
         )
     return hashlib.sha256(f.read_bytes()).hexdigest()
 
-
+# %% ../../nbs/02_data_sources.ipynb #b09decda
 def data_manifest(data: DataConfig) -> dict:
     "What the data fingerprint hashes: sources and their content, document length, codec, held-out split, phases."
     srcs = {}
@@ -622,7 +624,7 @@ def data_manifest(data: DataConfig) -> dict:
         pinned=all(s.get("pinned", True) for s in srcs.values()),
     )
 
-
+# %% ../../nbs/02_data_sources.ipynb #af6a51cb
 def data_fingerprint(data: DataConfig) -> str:
     "A 16-hex-digit hash of `data_manifest`: which bytes and ids the model sees."
     blob = json.dumps(data_manifest(data), sort_keys=True, default=str)

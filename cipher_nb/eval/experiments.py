@@ -55,7 +55,7 @@ def train_command(config: str = None, overrides=(), **flags) -> str:
         parts += [f"--{k.replace('_', '-')}"] + ([] if v is True else [shlex.quote(str(v))])
     return " ".join(parts)
 
-# %% ../../nbs/12a_eval_experiments.ipynb #e48807b1
+# %% ../../nbs/12a_eval_experiments.ipynb #e058f76f
 _MARKER = "run_once.json"
 
 
@@ -63,7 +63,7 @@ def run_request(cfg: Config) -> dict:
     "What makes a run the same run: its config hash and the content hash of its --init source."
     return dict(config_hash=config_hash(cfg), init=checkpoint_hash(cfg.stage.init) if cfg.stage.init else None)
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #2c2c017a
 def finished_run(run_dir, request: dict) -> bool:
     "Whether `run_dir` holds a finished run of `request` (a `run_request`): a complete export and the same marker."
     run_dir = Path(run_dir)
@@ -75,7 +75,7 @@ def finished_run(run_dir, request: dict) -> bool:
     except (ValueError, ck.CheckpointError):
         return False
 
-# %% ../../nbs/12a_eval_experiments.ipynb #08cabcfc
+# %% ../../nbs/12a_eval_experiments.ipynb #b378b42a
 def run_once(cfg: Config, run_dir, callbacks=(), progress: bool = False, command=None, overwrite: bool = False) -> Path:
     "Train `cfg` into `run_dir` (in process, or `command` as a subprocess) unless it already holds this finished run."
     run_dir, request = Path(run_dir), run_request(cfg)
@@ -96,7 +96,7 @@ def run_once(cfg: Config, run_dir, callbacks=(), progress: bool = False, command
         ck.write_json_atomic(run_dir / _MARKER, request)
     return run_dir
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #5848d532
 def run_stage(config: str = None, overrides=(), callbacks=(), progress: bool = False, **flags) -> Path:
     "Train in this process what `train_command(config, overrides, **flags)` runs (reusing a finished identical run)."
     if flags.get("resume"):
@@ -108,11 +108,11 @@ def run_stage(config: str = None, overrides=(), callbacks=(), progress: bool = F
     cfg, run_dir = resolve_run(config, overrides, **flags)
     return run_once(cfg, run_dir, callbacks, progress, overwrite=overwrite)
 
-# %% ../../nbs/12a_eval_experiments.ipynb #30eca7eb
+# %% ../../nbs/12a_eval_experiments.ipynb #a31cd2f4
 class RunNotFinished(RuntimeError):
     "A run directory without a complete `final/` export."
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #13a616c4
 def require_finished(run_dir) -> Path:
     "`run_dir` when it holds a finished run (a complete `final/`); else `RunNotFinished` with the command to go on."
     run_dir = Path(run_dir)
@@ -126,7 +126,7 @@ def require_finished(run_dir) -> Path:
         )
     raise RunNotFinished(f"{run_dir} holds no finished run: run the training cell above first")
 
-# %% ../../nbs/12a_eval_experiments.ipynb #76e9ad3f
+# %% ../../nbs/12a_eval_experiments.ipynb #38eb643e
 def ablation_grid(axes: dict) -> list:
     "All combinations of `axes` (`{'model.moe.top_k': [1, 2], 'schedule.lr': [1e-3, 3e-3]}`), as overrides."
     for k, vs in axes.items():
@@ -136,13 +136,13 @@ def ablation_grid(axes: dict) -> list:
             raise ConfigError(f"ablation key '{k}': give a non-empty list of values, got {vs!r}")
     return [[f"{k}={v}" for k, v in zip(axes, combo)] for combo in itertools.product(*axes.values())]
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #8de29248
 def variant_name(overrides) -> str:
     "A short folder name for a variant: the last part of each key with its value (`top_k=1_lr=0.003`)."
     name = "_".join(f"{o.split('=', 1)[0].rsplit('.', 1)[-1]}={o.split('=', 1)[1]}" for o in overrides) or "base"
     return re.sub(r"[^\w.=+-]", "-", name)
 
-# %% ../../nbs/12a_eval_experiments.ipynb #d2bac6b3
+# %% ../../nbs/12a_eval_experiments.ipynb #d730449c
 def ablation_plan(grid: list, seeds: int = 0) -> list:
     "(run name, overrides) per run: one per variant, or with `seeds` one per seed and variant (`top_k=1/seed=0`)."
     names = [variant_name(v) for v in grid]
@@ -155,7 +155,7 @@ def ablation_plan(grid: list, seeds: int = 0) -> list:
         raise ConfigError("a paired ablation sets training.seed itself (seeds=N): take it out of the grid")
     return [(f"{n}/seed={s}", [*v, f"training.seed={s}"]) for s in range(seeds) for n, v in zip(names, grid)]
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #1c560908
 def check_pairing(cfgs: list, names: list):
     "Refuse contenders whose data sections differ: they cannot share a data order."
     ref = dataclasses.asdict(cfgs[0].data)
@@ -164,7 +164,7 @@ def check_pairing(cfgs: list, names: list):
         keys = ", ".join(f"data.{k}" for k in differ)
         raise ConfigError(f"pairing is impossible: the contenders {', '.join(names)} differ in {keys}")
 
-# %% ../../nbs/12a_eval_experiments.ipynb #9ea3c353
+# %% ../../nbs/12a_eval_experiments.ipynb #ed732fac
 def cipher_train_script() -> str:
     "The path of the `cipher-train` console script of this environment."
     here = Path(sys.executable).parent / "cipher-train"
@@ -175,7 +175,7 @@ def cipher_train_script() -> str:
         )
     return found
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #4d9c608c
 def ablation_configs(plan: list, config: str = None, overrides=()) -> dict:
     "The config of each run of an `ablation_plan`; a paired plan is refused when its variants' data differ."
     cfgs = {name: load_config(config, [*overrides, *variant]) for name, variant in plan}
@@ -184,7 +184,7 @@ def ablation_configs(plan: list, config: str = None, overrides=()) -> dict:
         check_pairing([cfgs[n] for n in names], [n.partition("/seed=")[0] for n in names])
     return cfgs
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #7f8046fa
 def ablation_command(config: str, overrides, variant, run_dir) -> list:
     "The `cipher-train` command of one run: the ablation's overrides, then the run's own (grid, seed, plan), and --out."
     return [
@@ -218,12 +218,16 @@ def step_costs(cfgs: dict, rounds: int = 5, round_steps: int = 2, clock=time.pro
                 times[n].append((clock() - t0) / round_steps)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
-# %% ../../nbs/12a_eval_experiments.ipynb #5ea896f8
+# %% ../../nbs/12a_eval_experiments.ipynb #357883c0
 PLAN_UNITS = {"steps": "steps", "tokens": "tokens", "time": "seconds"}  # what each plan's budget counts
+
+# %% ../../nbs/12a_eval_experiments.ipynb #d5b7d11e
 PLAN_KEYS = ("schedule.max_steps", "schedule.time_budget", "schedule.target_tokens", "schedule.epochs")
+
+# %% ../../nbs/12a_eval_experiments.ipynb #82d2b2d2
 PLAN_FILE = "plan.json"
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #d42e4a32
 def plan_amount(plan: str, budget) -> float:
     "A plan's budget as a number: steps, tokens or seconds; an unknown plan or a bad budget: one clear line."
     if plan not in PLAN_UNITS:
@@ -244,12 +248,12 @@ def plan_amount(plan: str, budget) -> float:
         raise ConfigError(f"the {plan} plan's budget is a whole number of {PLAN_UNITS[plan]} above 0, got {budget!r}")
     return int(text)
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #32fdd0c4
 def amount_text(plan: str, x) -> str:
     "A budget or a price in the plan's unit, for a message (`2.5s`, `1,280 tokens`, `8 steps`)."
     return f"{x:g}s" if plan == "time" else f"{x:,} {PLAN_UNITS[plan]}"
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #65e02e0e
 def plan_prices(plan: str, heads: dict, costs: dict = None) -> dict:
     "One optimizer step of each contender in the plan's unit: 1 step, its global batch's tokens, or `costs` seconds."
     if plan == "steps":
@@ -258,7 +262,7 @@ def plan_prices(plan: str, heads: dict, costs: dict = None) -> dict:
         return {c: global_batch_tokens(cfg.training) for c, cfg in heads.items()}
     return {c: costs[c] for c in heads}
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #9e165cdc
 def check_plan_fits(plan: str, amount, steps: dict, prices: dict, heads: dict):
     "Refuse a budget that buys some contender no step past its warmup, naming it, its price and the least budget."
     for c, n in steps.items():
@@ -273,7 +277,7 @@ def check_plan_fits(plan: str, amount, steps: dict, prices: dict, heads: dict):
             f"warmup ({w}) + 1; the least budget that works is {amount_text(plan, least)}"
         )
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #6c7da1cb
 def plan_overrides(plan: str, amount, steps: int) -> list:
     "The overrides that fix one contender's plan: its step count, no time budget, the token budget of a tokens plan."
     tokens = amount if plan == "tokens" else 0
@@ -284,7 +288,7 @@ def plan_overrides(plan: str, amount, steps: int) -> list:
         "schedule.epochs=0",
     ]
 
-# %% ../../nbs/12a_eval_experiments.ipynb #217e9893
+# %% ../../nbs/12a_eval_experiments.ipynb #7a05c583
 def timed_costs(heads: dict, seconds: float, root, measure=step_costs) -> tuple:
     "(seconds per step of each contender, reused): from ROOT/plan.json if it has these contenders and budget."
     ids = {c: config_hash(cfg) for c, cfg in heads.items()}
@@ -296,14 +300,14 @@ def timed_costs(heads: dict, seconds: float, root, measure=step_costs) -> tuple:
         pass  # no plan there yet, or not one this code wrote: measure
     return measure(heads), False
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #1bd3856e
 def write_time_plan(root, seconds: float, heads: dict, costs: dict, steps: dict):
     "Record a time plan in ROOT/plan.json: the budget, and per contender its config hash, cost per step and steps."
     Path(root).mkdir(parents=True, exist_ok=True)
     per = {c: dict(config_hash=config_hash(heads[c]), cost_s=costs[c], steps=steps[c]) for c in heads}
     ck.write_json_atomic(Path(root) / PLAN_FILE, dict(plan="time", budget_s=seconds, contenders=per))
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #cf7abdb5
 def plan_line(plan: str, amount, steps: dict, prices: dict, reused: bool, root) -> str:
     "The plan in one line: what the contenders share and the steps each trains."
     if plan == "steps":
@@ -314,7 +318,7 @@ def plan_line(plan: str, amount, steps: dict, prices: dict, reused: bool, root) 
     each = ", ".join(f"{c} {n:,} steps" for c, n in steps.items())
     return f"plan: time {amount:g}s: {each} (costs measured once, {'read from ' * reused}{Path(root) / PLAN_FILE})"
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #20b0c0ef
 def planned_runs(order: list, cfgs: dict, plan: str, budget, root, measure=step_costs) -> tuple:
     "(`order` with the plan's overrides added to every run, the line that states the plan); refused before training."
     amount = plan_amount(plan, budget)
@@ -370,18 +374,18 @@ def run_ablation(
             print(verdict_line(v))
     return runs
 
-# %% ../../nbs/12a_eval_experiments.ipynb #eefc3b59
+# %% ../../nbs/12a_eval_experiments.ipynb #01e40d4c
 def is_number(v) -> bool:
     "A real number (an int or a float, not a bool nor a JSON null)."
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #ddb3f665
 def metric(rows: list, key: str) -> tuple:
     "(steps, values) as float arrays over the rows that hold a number under `key`."
     pts = [(r["step"], float(r[key])) for r in rows if is_number(r.get(key)) and is_number(r.get("step"))]
     return np.array([s for s, _ in pts], dtype=float), np.array([v for _, v in pts], dtype=float)
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #60f6ce0f
 _ROUTER_KEY = re.compile(r"router/layer(\d+)_(?:max_load|entropy|load_\d+)")
 
 
@@ -389,7 +393,7 @@ def moe_layers(rows: list) -> list:
     "The layer numbers N for which the rows hold routing metrics."
     return sorted({int(m.group(1)) for r in rows for k in r if (m := _ROUTER_KEY.fullmatch(k))})
 
-# %% ../../nbs/12a_eval_experiments.ipynb #20ff6f4e
+# %% ../../nbs/12a_eval_experiments.ipynb #a0c99ff7
 def final_figures(rows: list) -> dict:
     "A run's final figures: steps, last and best losses, median throughput, worst expert load, largest gradient norm."
 
@@ -412,12 +416,12 @@ def final_figures(rows: list) -> dict:
         "max grad_norm": float(g.max()) if len(g) else None,
     }
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #66f166cd
 def ablation_table(runs: dict) -> list:
     "One row of final figures per run (`{name: run_dir}`), in the order given."
     return [{"variant": name, **final_figures(read_metrics(Path(d) / "metrics.jsonl"))} for name, d in runs.items()]
 
-# %% ../../nbs/12a_eval_experiments.ipynb #94eccc04
+# %% ../../nbs/12a_eval_experiments.ipynb #3fe38944
 def ablation_verdicts(runs: dict, key: str = "val/bpb", lower_is_better: bool = True, max_seeds: int = 0) -> list:
     "The first variant against each other one of a paired ablation (`{variant/seed=S: dir}`): `paired_verdict` rows."
     figures = {}  # variant -> {seed: final figure}
@@ -440,7 +444,7 @@ def ablation_verdicts(runs: dict, key: str = "val/bpb", lower_is_better: bool = 
             out.append(paired_verdict(a, b, (ref, other), lower_is_better=lower_is_better))
     return out
 
-
+# %% ../../nbs/12a_eval_experiments.ipynb #f5c983fe
 def all_decided(runs: dict, key: str, max_seeds: int) -> bool:
     "Whether a sequential ablation may stop: every pair has a verdict (or the planned seeds are spent)."
     return all(v["stop"] for v in ablation_verdicts(runs, key, max_seeds=max_seeds))

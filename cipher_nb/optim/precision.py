@@ -29,14 +29,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config.load import FP8Recipe, Precision, TrainConfig
 
-# %% ../../nbs/08_optim_precision.ipynb #a1eaff99
+# %% ../../nbs/08_optim_precision.ipynb #b3772999
 PRECISIONS = get_args(Precision)  # the config field's Literal is the one list
+
+# %% ../../nbs/08_optim_precision.ipynb #03d47086
 LOW_PRECISION = ("nvfp4", "mxfp8", "fp8")  # the fallback chain, best first; it ends at bf16
+
+# %% ../../nbs/08_optim_precision.ipynb #8cf82dc2
 MIN_CAPABILITY = dict(fp8=(8, 9), mxfp8=(10, 0), nvfp4=(10, 0))
+
+# %% ../../nbs/08_optim_precision.ipynb #bb6af997
 FP8_RECIPES = get_args(FP8Recipe)
+
+# %% ../../nbs/08_optim_precision.ipynb #deccd63b
 FP8_MIN_DIM = TrainConfig.fp8_min_dim  # the config default: low precision converts a layer only at this width
 
-# %% ../../nbs/08_optim_precision.ipynb #3f048f32
+# %% ../../nbs/08_optim_precision.ipynb #49d6df42
 @dataclass(frozen=True)
 class DeviceCaps:
     "What the compute device offers: CUDA or not, compute capability, native bf16."
@@ -46,7 +54,7 @@ class DeviceCaps:
     bf16: bool = False
     name: str = "cpu"
 
-
+# %% ../../nbs/08_optim_precision.ipynb #cf4c9548
 def probe_device(device=None) -> DeviceCaps:
     "Capabilities of `device` (default: this process's CUDA GPU when there is one, else the CPU)."
     if device is None:
@@ -58,7 +66,7 @@ def probe_device(device=None) -> DeviceCaps:
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
     return DeviceCaps(True, tuple(torch.cuda.get_device_capability(device)), bf16, torch.cuda.get_device_name(device))
 
-# %% ../../nbs/08_optim_precision.ipynb #0f56dada
+# %% ../../nbs/08_optim_precision.ipynb #90a7e9c3
 @dataclass
 class LibCaps:
     "Which low-precision training paths the installed libraries offer, and why each missing one is missing."
@@ -79,7 +87,7 @@ _LIB_PROBES = dict(
     triton=("triton", ""),
 )
 
-
+# %% ../../nbs/08_optim_precision.ipynb #05f2a67a
 @contextlib.contextmanager
 def quiet_imports(*names):
     "Mute import-time log warnings of torchao / bitsandbytes / torch about optional kernels they cannot load."
@@ -93,7 +101,7 @@ def quiet_imports(*names):
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)
 
-
+# %% ../../nbs/08_optim_precision.ipynb #ed0dc293
 def _import_problem(module: str, attr: str) -> str:
     "'' when `module.attr` imports, else why not."
     try:
@@ -105,7 +113,7 @@ def _import_problem(module: str, attr: str) -> str:
         return f"{module} has no {attr} (torchao too old?)"
     return ""
 
-
+# %% ../../nbs/08_optim_precision.ipynb #c03df700
 def probe_libs() -> LibCaps:
     "Probe torchao (and Triton) for each low-precision training path."
     why = {k: _import_problem(*v) for k, v in _LIB_PROBES.items()}
@@ -221,21 +229,21 @@ def detect_precision(
     )
     return chosen("fp16", f"{requested}: no bf16 on this GPU, fp16 with a gradient scaler")
 
-# %% ../../nbs/08_optim_precision.ipynb #4d39babe
-_KEEP_HIGH = dict(
-    boundary="boundary predictor", embed="embedding", head="LM head", router="router gate", gate="router gate"
-)
-
-
+# %% ../../nbs/08_optim_precision.ipynb #993701fc
 def _dims_problem(dims, multiple: int = 16) -> str:
     return f"dims {tuple(dims)} not multiples of {multiple}" if any(d % multiple for d in dims) else ""
 
-
+# %% ../../nbs/08_optim_precision.ipynb #6101bf5d
 def size_problem(n_in: int, n_out: int, min_dim: int) -> str:
     "Why a matmul of `n_in` -> `n_out` features is too small to gain from low precision, or '' when it is not."
     if n_in < min_dim:
         return f"in {n_in} < fp8_min_dim {min_dim}"
     return f"out {n_out} < fp8_min_dim {min_dim}" if n_out < min_dim else ""
+
+# %% ../../nbs/08_optim_precision.ipynb #29b0afd8
+_KEEP_HIGH = dict(
+    boundary="boundary predictor", embed="embedding", head="LM head", router="router gate", gate="router gate"
+)
 
 
 def high_precision_reason(fqn: str, module: nn.Module, multiple: int = 16, min_dim: int = 0) -> str:
@@ -253,7 +261,7 @@ def high_precision_reason(fqn: str, module: nn.Module, multiple: int = 16, min_d
         (module.in_features, module.out_features), multiple
     )
 
-# %% ../../nbs/08_optim_precision.ipynb #19e8155a
+# %% ../../nbs/08_optim_precision.ipynb #8fa4f1da
 _aten = torch.ops.aten
 _MATMULS = {
     _aten.mm,
@@ -277,7 +285,7 @@ def operand_kind(t: torch.Tensor) -> str:
         return "fp8"
     return _DTYPE_KIND.get(t.dtype, str(t.dtype).replace("torch.", ""))
 
-
+# %% ../../nbs/08_optim_precision.ipynb #ae8610bb
 def matmul_flops(op, args) -> int:
     "Multiply-add FLOPs (2 per multiply-add) of one matmul-family call."
     a, b = (args[1], args[2]) if op in (_aten.addmm, _aten.baddbmm) else (args[0], args[1])
@@ -316,7 +324,7 @@ class MatmulCounter(TorchDispatchMode):
             lowp_share=round(low / total, 4) if total else 0.0,
         )
 
-# %% ../../nbs/08_optim_precision.ipynb #177d06b2
+# %% ../../nbs/08_optim_precision.ipynb #f98d3814
 def expert_weights(model: nn.Module) -> list:
     "(fqn, module, name) of every routed-expert weight: a 3-D parameter of a module under a path component `experts`."
     return [
@@ -327,14 +335,14 @@ def expert_weights(model: nn.Module) -> list:
         if p.ndim == 3
     ]
 
-
+# %% ../../nbs/08_optim_precision.ipynb #fdb1272b
 def _plain_state_dict(module, state_dict, prefix, local_metadata):
     "State-dict post-hook: torchao's wrapper tensors saved as the plain tensors they wrap."
     for k, v in state_dict.items():
         if k.startswith(prefix) and type(v).__name__.endswith("WrapperTensor"):
             state_dict[k] = v._data.detach()
 
-
+# %% ../../nbs/08_optim_precision.ipynb #e34785d1
 def _wrap_param(module: nn.Module, name: str, tensor_cls, config):
     "Swap one parameter's data for a torchao training wrapper (its matmuls then quantise on the fly)."
     p = getattr(module, name)
@@ -343,15 +351,15 @@ def _wrap_param(module: nn.Module, name: str, tensor_cls, config):
         module.register_state_dict_post_hook(_plain_state_dict)
         module._saves_plain = True
 
-
+# %% ../../nbs/08_optim_precision.ipynb #e7c9e009
 def _unwrap_param(module: nn.Module, name: str):
     p = getattr(module, name)
     setattr(module, name, nn.Parameter(p.data._data, requires_grad=p.requires_grad))
 
-
+# %% ../../nbs/08_optim_precision.ipynb #bd32f135
 MX_BLOCK = 32  # MXFP8 scales blocks of 32 values along every contraction, the tokens of the weight gradient too
 
-
+# %% ../../nbs/08_optim_precision.ipynb #cdf6410d
 class MXFP8Linear(nn.Linear):
     "A linear layer for torchao's MXFP8 wrapper: input and weight cast to the autocast dtype, tokens padded to 32."
 
@@ -362,12 +370,12 @@ class MXFP8Linear(nn.Linear):
         y = F.linear(F.pad(rows, (0, 0, 0, pad)) if pad else rows, self.weight.to(dt))  # bias-free layers only
         return y[: rows.shape[0]].view(*x.shape[:-1], -1).clone()  # an output of our own (see `_own_output`)
 
-
+# %% ../../nbs/08_optim_precision.ipynb #1b808467
 def _own_output(module, args, out):
     "Forward hook: a copy of torchao's output, a view autograd forbids modifying in place (our MoE adds into it)."
     return out.clone() if out._is_view() else out
 
-# %% ../../nbs/08_optim_precision.ipynb #357faf30
+# %% ../../nbs/08_optim_precision.ipynb #4070f99d
 def _lowp_configs(mode: str, recipe: str, emulate: bool) -> dict:
     "torchao config objects for `mode`: dense layers and grouped experts."
     with quiet_imports():
@@ -398,7 +406,7 @@ def _lowp_configs(mode: str, recipe: str, emulate: bool) -> dict:
 
         return dict(dense=NVFP4TrainingConfig(), grouped=None)
 
-
+# %% ../../nbs/08_optim_precision.ipynb #4ad3fd5d
 def _convert_dense(model: nn.Module, mode: str, names: set, dense):
     if not names:
         return
@@ -421,7 +429,7 @@ def _convert_dense(model: nn.Module, mode: str, names: set, dense):
             for fqn in names:
                 model.get_submodule(fqn).register_forward_hook(_own_output)
 
-# %% ../../nbs/08_optim_precision.ipynb #618f9cfc
+# %% ../../nbs/08_optim_precision.ipynb #7421e719
 def _convert_experts(
     model: nn.Module, mode: str, grouped, emulate: bool, libs: LibCaps, multiple: int, min_dim: int = 0
 ) -> dict:
@@ -459,7 +467,7 @@ def _convert_experts(
     )
     return out
 
-# %% ../../nbs/08_optim_precision.ipynb #74172aea
+# %% ../../nbs/08_optim_precision.ipynb #2fafb2db
 def _run_probe(model: nn.Module, probe) -> dict:
     "Run `probe(model)` once with the random streams untouched, clear the gradients, return the kernel count."
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
@@ -469,7 +477,7 @@ def _run_probe(model: nn.Module, probe) -> dict:
         p.grad = None
     return mc.summary()
 
-# %% ../../nbs/08_optim_precision.ipynb #a9ea9417
+# %% ../../nbs/08_optim_precision.ipynb #c8f777d6
 def _unwrap_experts(model: nn.Module, report: dict, why: str):
     "Put the converted expert weights back to plain tensors and record why."
     for fqn in report["experts"]["converted"]:
@@ -479,19 +487,19 @@ def _unwrap_experts(model: nn.Module, report: dict, why: str):
         path="high precision", converted=[], kept={f: why for f in report["experts"]["converted"]}, reason=why
     )
 
-# %% ../../nbs/08_optim_precision.ipynb #afb61d03
+# %% ../../nbs/08_optim_precision.ipynb #45095e5f
 def _probe_error(mode: str, e: Exception) -> RuntimeError:
     return RuntimeError(
         f"the model converted for {mode} failed its probe training step ({type(e).__name__}: {str(e)[:300]}); "
         f"train with training.precision=bf16 (--precision bf16) instead"
     )
 
-# %% ../../nbs/08_optim_precision.ipynb #8137e207
+# %% ../../nbs/08_optim_precision.ipynb #4005ea52
 def layer_pattern(fqn: str) -> str:
     "The name with every numeric path component (a layer index) replaced by `*`."
     return ".".join("*" if p.isdigit() else p for p in fqn.split("."))
 
-
+# %% ../../nbs/08_optim_precision.ipynb #61fb6386
 def conversion_summary(report: dict) -> dict:
     "The conversion report folded for the run record: converted patterns, and kept patterns grouped by reason."
     kept = dict(report.get("kept", {}), **report.get("experts", {}).get("kept", {}))
@@ -581,7 +589,7 @@ def convert_model(
     report["summary"] = conversion_summary(report)
     return report
 
-# %% ../../nbs/08_optim_precision.ipynb #d7bf6f58
+# %% ../../nbs/08_optim_precision.ipynb #eeffaf64
 def fell_back(choice: PrecisionChoice, why: str) -> PrecisionChoice:
     "`choice` after its low-precision conversion failed for reason `why`: bf16, with what was asked and why it changed."
     return dataclasses.replace(
@@ -594,7 +602,7 @@ def fell_back(choice: PrecisionChoice, why: str) -> PrecisionChoice:
         fallback=why,
     )
 
-
+# %% ../../nbs/08_optim_precision.ipynb #dafd635d
 def convert_or_fall_back(model: nn.Module, choice: PrecisionChoice, **kw) -> tuple:
     "(model, choice, report): `model` converted for a low-precision `choice`, or left untouched in bf16 if that fails."
     if choice.mode not in LOW_PRECISION:

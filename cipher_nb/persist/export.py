@@ -41,7 +41,7 @@ from cipher_nb.persist.files import (
     write_durable,
 )
 
-# %% ../../nbs/09c_persist_export.ipynb #18f9cad4
+# %% ../../nbs/09c_persist_export.ipynb #61ea5cf2
 def tied_names(source) -> dict:
     "`{alias: name}` for tensors shared under several names: a module's shared parameters or a state dict's storage."
     seen, ties = {}, {}
@@ -60,7 +60,7 @@ def tied_names(source) -> dict:
             seen[key] = name
     return ties
 
-
+# %% ../../nbs/09c_persist_export.ipynb #b8f978e2
 def compare_state_dicts(a: dict, b: dict) -> list:
     "Every difference between two state dicts (keys, dtypes, shapes, bits); empty when identical."
     out = [f"missing {k}" for k in a if k not in b] + [f"unexpected {k}" for k in b if k not in a]
@@ -76,17 +76,17 @@ def compare_state_dicts(a: dict, b: dict) -> list:
             out.append(f"{k}: values differ")  # compared as bytes, so NaNs and -0.0 count as they are
     return out
 
-# %% ../../nbs/09c_persist_export.ipynb #56b06a83
+# %% ../../nbs/09c_persist_export.ipynb #f5f6c16e
 CODEC_FILE, TOKENIZER_FILE = "codec.json", "tokenizer.json"
 CHAT_TEMPLATE_FILE, CARD_FILE = "chat_template.jinja", "README.md"
 
-
+# %% ../../nbs/09c_persist_export.ipynb #dad4c239
 def byte_codec_spec() -> dict:
     "The byte codec as data: ids 0-255 are the UTF-8 bytes themselves, then the specials in order."
     c = ByteCodec()
     return dict(kind="bytes", vocab_size=c.vocab_size, n_bytes=c.n_bytes, specials=dict(c.specials))
 
-
+# %% ../../nbs/09c_persist_export.ipynb #a4fe5dd9
 def write_codec_files(out_dir, config: dict, codec: dict) -> list:
     "Write `codec.json` (bytes) or the run's `tokenizer.json` (token level) into `out_dir`; return the names."
     out_dir, kind = Path(out_dir), codec.get("kind")
@@ -102,13 +102,13 @@ def write_codec_files(out_dir, config: dict, codec: dict) -> list:
         return [TOKENIZER_FILE]
     return []  # a codec the export does not know: only its description in config.json
 
-# %% ../../nbs/09c_persist_export.ipynb #18c1c3d8
+# %% ../../nbs/09c_persist_export.ipynb #b73794f4
 CODEC_CHAT_TEMPLATE = (  # the codec's own conversation format, as sft.render_conversation writes it
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eot|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-
+# %% ../../nbs/09c_persist_export.ipynb #a3d4036d
 def chat_template_source(config: dict) -> str | None:
     "The Jinja chat template a run was trained with: `sft.chat_template`, the codec's for an SFT run, else None."
     path = (config.get("sft") or {}).get("chat_template", "")
@@ -122,7 +122,7 @@ def chat_template_source(config: dict) -> str | None:
         return tpl or None
     return CODEC_CHAT_TEMPLATE if (config.get("stage") or {}).get("name") == "sft" else None
 
-# %% ../../nbs/09c_persist_export.ipynb #61fce51f
+# %% ../../nbs/09c_persist_export.ipynb #fb87732a
 def _ffn_line(m: dict) -> str:
     e = m.get("moe") or {}
     if not e.get("n_routed"):
@@ -133,7 +133,7 @@ def _ffn_line(m: dict) -> str:
         f"dense first layers: {e.get('n_dense_layers', 0)}"
     )
 
-
+# %% ../../nbs/09c_persist_export.ipynb #1699990c
 def _card_model(config: dict, codec: dict, n_params: int) -> list:
     m, d = config.get("model") or {}, config.get("data") or {}
     a = m.get("attention") or {}
@@ -155,7 +155,7 @@ def _card_model(config: dict, codec: dict, n_params: int) -> list:
     ]
     return ["## Model", "", "| | |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in rows], ""]
 
-
+# %% ../../nbs/09c_persist_export.ipynb #55c1c02e
 def _card_data(config: dict, record: dict) -> list:
     d, rd = config.get("data") or {}, record.get("data") or {}
     src = ", ".join([str(d.get("source", ""))] + [f"{k} {d[k]}" for k in ("path", "subset", "revision") if d.get(k)])
@@ -170,7 +170,7 @@ def _card_data(config: dict, record: dict) -> list:
         out.append(f"- held-out documents: {rd['heldout']}")
     return out + [""]
 
-# %% ../../nbs/09c_persist_export.ipynb #8b4037c5
+# %% ../../nbs/09c_persist_export.ipynb #d583a9db
 def _card_evals(record: dict) -> list:
     evals = [e for e in record.get("evals", []) if e.get("metrics")]
     if not evals:
@@ -182,7 +182,7 @@ def _card_evals(record: dict) -> list:
     vals = [e["metrics"]["val/loss"] for e in evals if "val/loss" in e["metrics"]]
     return out + ([f"\nLowest val/loss over {len(vals)} evaluations: {min(vals):.4g}."] if vals else []) + [""]
 
-
+# %% ../../nbs/09c_persist_export.ipynb #347b8735
 def _card_training(config: dict, record: dict) -> list:
     t, git = config.get("training") or {}, record.get("git") or {}
     out = ["## Training", ""]
@@ -207,7 +207,7 @@ def _card_training(config: dict, record: dict) -> list:
         out.append(f"- config hash `{record['config_hash']}`")
     return out + [""]
 
-# %% ../../nbs/09c_persist_export.ipynb #74bfa21d
+# %% ../../nbs/09c_persist_export.ipynb #f762c8c9
 def _card_benchmarks(record: dict) -> list:
     rows = record.get("benchmarks") or []
     if not rows:
@@ -224,7 +224,7 @@ def _card_benchmarks(record: dict) -> list:
         out.append(f"| {b.get('name')} | {b.get('n')} | {b.get('acc', 0):.4f} | {b.get('acc_norm', 0):.4f} | {how} |")
     return out + [""]
 
-
+# %% ../../nbs/09c_persist_export.ipynb #ed5691e9
 def _card_gate(gate: dict | None) -> list:
     out = ["## Verification gate", ""]
     if not gate:
@@ -242,7 +242,7 @@ def _card_gate(gate: dict | None) -> list:
         + [""]
     )
 
-# %% ../../nbs/09c_persist_export.ipynb #1293f73e
+# %% ../../nbs/09c_persist_export.ipynb #eb6ffb08
 def _heldout_limit(data: dict) -> str:
     if data.get("heldout") == "none" or data.get("heldout_targets") == 0:
         return "No held-out data: the run reports no held-out figure, so nothing here measures generalisation."
@@ -254,7 +254,7 @@ def _heldout_limit(data: dict) -> str:
         "mean nothing, and runs compare only on the same split."
     )
 
-
+# %% ../../nbs/09c_persist_export.ipynb #5e5bb64a
 def run_limitations(record: dict) -> list:
     "The limits a run's record shows: the held-out size, unpinned data sources, a precision asked for but not used."
     data, p, out = record.get("data") or {}, record.get("precision") or {}, []
@@ -268,13 +268,13 @@ def run_limitations(record: dict) -> list:
         out.append(f"Precision: asked for {asked}, trained in {ran} ({p.get('fallback') or p.get('reason', '')}).")
     return [x for x in out if x]
 
-# %% ../../nbs/09c_persist_export.ipynb #c2cb86f4
+# %% ../../nbs/09c_persist_export.ipynb #88c89a55
 CARD_LIMITATIONS = (
     "A research model trained with cipher_nb: it has not been evaluated for safety, bias or factual accuracy.",
     "The held-out figures are measured on the run's own held-out split, not on a public benchmark.",
 )
 
-
+# %% ../../nbs/09c_persist_export.ipynb #b2b59667
 def model_card(
     config: dict, codec: dict, record: dict | None = None, n_params: int = 0, gate: dict | None = None
 ) -> str:
@@ -308,7 +308,7 @@ def model_card(
     lims = [*record.get("limitations", []), *run_limitations(record), *CARD_LIMITATIONS]
     return "\n".join(out + ["## Limitations", "", *[f"- {x}" for x in lims], ""])
 
-# %% ../../nbs/09c_persist_export.ipynb #cf2e97bc
+# %% ../../nbs/09c_persist_export.ipynb #75e85e6c
 def _full_state_dict(source) -> dict:
     if not isinstance(source, nn.Module):
         return dict(source)
@@ -318,7 +318,7 @@ def _full_state_dict(source) -> dict:
 
     return get_model_state_dict(source, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-
+# %% ../../nbs/09c_persist_export.ipynb #796d1f76
 def _run_record(out_dir: Path) -> dict:
     "The run record beside `RUN/final` (the trainer saves it at every evaluation), or {}."
     f = out_dir.parent / "record.json"
@@ -327,7 +327,7 @@ def _run_record(out_dir: Path) -> dict:
     except ValueError:
         return {}
 
-
+# %% ../../nbs/09c_persist_export.ipynb #e4de26e7
 def _run_gate(out_dir: Path) -> dict | None:
     "cipher-gate's verdict beside `RUN/final` (`gate.json`), or None when the run has not been gated."
     f = out_dir.parent / GATE_FILE
@@ -336,7 +336,7 @@ def _run_gate(out_dir: Path) -> dict | None:
     except ValueError:
         return None
 
-
+# %% ../../nbs/09c_persist_export.ipynb #21358d54
 def _write_extras(tmp: Path, config: dict, codec: dict, record: dict, n_params: int) -> list:
     "The codec or tokenizer, the chat template and the model card; return the names written."
     names = write_codec_files(tmp, config, codec)
@@ -347,7 +347,7 @@ def _write_extras(tmp: Path, config: dict, codec: dict, record: dict, n_params: 
     write_durable(tmp / CARD_FILE, model_card(config, codec, record, n_params, _run_gate(tmp)).encode())
     return names + [CARD_FILE]
 
-
+# %% ../../nbs/09c_persist_export.ipynb #e1089ea8
 def export_model(
     source, out_dir, *, config: dict, codec: dict, meta: dict | None = None, record: dict | None = None
 ) -> dict:
@@ -408,7 +408,7 @@ def refresh_card(path) -> bool:
     replace_marked(path, CARD_FILE, card.encode())  # the card and the marker change in one step
     return True
 
-# %% ../../nbs/09c_persist_export.ipynb #c8d45327
+# %% ../../nbs/09c_persist_export.ipynb #665e9897
 def export_dir(path) -> Path:
     "The export folder of `path`: `path` itself, or a run directory's `final/`."
     path = Path(path)
@@ -420,7 +420,7 @@ def export_dir(path) -> Path:
         )
     return path
 
-
+# %% ../../nbs/09c_persist_export.ipynb #fdcfe0a8
 def export_codec(path):
     "The codec an export carries: `ByteCodec` (checked against `codec.json`) or a `TokenizerCodec` on its tokenizer."
     path = export_dir(path)
@@ -435,7 +435,7 @@ def export_codec(path):
         f"{path} carries no {CODEC_FILE} or {TOKENIZER_FILE}: it was exported before exports held them"
     )
 
-
+# %% ../../nbs/09c_persist_export.ipynb #22abbd3f
 def load(path, device="cpu") -> tuple:
     "`(model, codec)` from a self-contained export or a run directory: the model in eval mode on `device`."
     path = export_dir(path)
