@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config.load import ConfigError
 
-# %% ../../nbs/01f_data_corpora.ipynb #d7a04016
+# %% ../../nbs/01f_data_corpora.ipynb #7c4a6dac
 _TEST_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"}
 
 
@@ -27,17 +27,19 @@ def stdlib_files() -> tuple:
     files = [p for p in root.rglob("*.py") if not (_TEST_DIRS & set(p.relative_to(root).parts[:-1]))]
     return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
-
+# %% ../../nbs/01f_data_corpora.ipynb #778b7c7f
 @functools.lru_cache(None)
 def stdlib_docs() -> tuple:
     "The contents of `stdlib_files()`, read once per process (cheaper to keep than to reread)."
     return tuple(f.read_bytes() for f in stdlib_files())
 
-# %% ../../nbs/01f_data_corpora.ipynb #4b37288c
+# %% ../../nbs/01f_data_corpora.ipynb #b4856e9d
 MOCK_SCRIPTS = ("latin", "cyrillic", "telugu", "cjk", "code", "math")
+
+# %% ../../nbs/01f_data_corpora.ipynb #c9b7d7fd
 MOCK_DOCS = 256  # documents per script
 
-
+# %% ../../nbs/01f_data_corpora.ipynb #d931372a
 def mock_scripts(path: str = "", where: str = "data.path") -> tuple:
     "The scripts a mock source's `path` names (all six when empty)."
     names = tuple(s.strip() for s in path.split(",") if s.strip()) or MOCK_SCRIPTS
@@ -46,7 +48,7 @@ def mock_scripts(path: str = "", where: str = "data.path") -> tuple:
         raise ConfigError(f"{where}: unknown mock script(s) {', '.join(bad)}; choose from {', '.join(MOCK_SCRIPTS)}")
     return names
 
-# %% ../../nbs/01f_data_corpora.ipynb #b0df9969
+# %% ../../nbs/01f_data_corpora.ipynb #0ce75c81
 _WORDS = dict(
     latin="the river city book teacher sun road water wind house school reads writes sees builds large quiet old new "
     "small bright",
@@ -71,7 +73,7 @@ def _mock_doc(script: str, i: int) -> str:
     a, b = rng.integers(1, 1000, n), rng.integers(1, 1000, n)
     return " ".join(f"{x} + {y} = {x + y}, and {x} * {y} = {x * y}." for x, y in zip(a.tolist(), b.tolist()))
 
-
+# %% ../../nbs/01f_data_corpora.ipynb #7cd28291
 @functools.lru_cache(None)
 def mock_docs(path: str = "") -> tuple:
     "The mock corpus for the scripts `path` names: `MOCK_DOCS` documents per script, as UTF-8 bytes."

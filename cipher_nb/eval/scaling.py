@@ -26,7 +26,7 @@ from ..moved import old_getattr
 # %% ../../nbs/12c_eval_scaling.ipynb #5e7c8d01
 __getattr__ = old_getattr(__name__)
 
-# %% ../../nbs/12c_eval_scaling.ipynb #6a803df8
+# %% ../../nbs/12c_eval_scaling.ipynb #0e787ada
 @dataclasses.dataclass(frozen=True)
 class Law:
     "Loss against parameters N and training tokens D: L = E + A / N^alpha + B / D^beta."
@@ -49,7 +49,7 @@ class Law:
             N = np.where(self.A > 0 and self.B > 0, g * (C / 6) ** (b / (a + b)), np.nan)
             return N, C / (6 * N), self(N, C / (6 * N))
 
-# %% ../../nbs/12c_eval_scaling.ipynb #3ebabd86
+# %% ../../nbs/12c_eval_scaling.ipynb #9e7f9d82
 def nonneg_lstsq(X, y, w) -> tuple:
     "Weighted least squares with coefficients >= 0, batched: X [G, P, K], y and w [P] -> (coef [G, K], sse [G])."
     G, _, K = X.shape
@@ -68,11 +68,13 @@ def nonneg_lstsq(X, y, w) -> tuple:
         best, best_sse = np.where(better[:, None], np.maximum(coef, 0), best), np.where(better, sse, best_sse)
     return best, best_sse
 
-# %% ../../nbs/12c_eval_scaling.ipynb #fa0644d4
+# %% ../../nbs/12c_eval_scaling.ipynb #ce7b19f8
 MIN_RUNS = 6  # one more than the law's parameters
+
+# %% ../../nbs/12c_eval_scaling.ipynb #8c68fc9f
 EXPONENTS = np.linspace(0.02, 1.5, 60)  # the first grid of alpha and beta; then two finer ones around the best
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #853c06cf
 def check_runs(N, D):
     "Refuse a set of runs a law cannot be fitted to, in one line."
     n, sizes, tokens = len(N), len(set(np.round(N, 6))), len(set(np.round(D, 6)))
@@ -82,7 +84,7 @@ def check_runs(N, D):
             f"these are {n} runs, {sizes} sizes, {tokens} token counts: add sizes or budgets to the sweep"
         )
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #6fedc1bc
 def _best_exponents(lnN, lnD, L, alphas, betas) -> tuple:
     a, b = (g.ravel() for g in np.meshgrid(alphas, betas, indexing="ij"))
     X = np.stack([np.ones((len(a), len(L))), np.exp(-a[:, None] * lnN), np.exp(-b[:, None] * lnD)], -1)
@@ -90,7 +92,7 @@ def _best_exponents(lnN, lnD, L, alphas, betas) -> tuple:
     i = int(np.argmin(sse))
     return a[i], b[i], coef[i]
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #342d3607
 def fit_law(N, D, L) -> Law:
     "The law fitted to runs of N parameters on D tokens that reached held-out loss L."
     N, D, L = (np.asarray(v, float) for v in (N, D, L))
@@ -102,7 +104,7 @@ def fit_law(N, D, L) -> Law:
         alphas, betas = np.linspace(max(a - da, da / 10), a + da, 21), np.linspace(max(b - db, db / 10), b + db, 21)
     return Law(float(E), float(A), float(a), float(B), float(b))
 
-# %% ../../nbs/12c_eval_scaling.ipynb #c46c15df
+# %% ../../nbs/12c_eval_scaling.ipynb #be0c855b
 @dataclasses.dataclass
 class ScalingFit:
     "A fitted law, the laws refitted to its bootstrap replicates, and its relative residuals (inflated)."
@@ -140,7 +142,7 @@ class ScalingFit:
             out[k] = (getattr(self.law, k), float(lo), float(hi))
         return out
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #631dfbf7
 def fit_scaling(N, D, L, boot: int = 100, seed: int = 0) -> ScalingFit:
     "Fit the law to runs (N parameters, D tokens, held-out loss L) and to `boot` residual-bootstrap replicates."
     N, D, L = (np.asarray(v, float) for v in (N, D, L))
@@ -150,7 +152,7 @@ def fit_scaling(N, D, L, boot: int = 100, seed: int = 0) -> ScalingFit:
     boots = [fit_law(N, D, fitted * (1 + rng.choice(residuals, len(L)))) for _ in range(boot)]
     return ScalingFit(law, boots, residuals)
 
-# %% ../../nbs/12c_eval_scaling.ipynb #7b544aeb
+# %% ../../nbs/12c_eval_scaling.ipynb #e62fab11
 def crossing(a: Law, b: Law, lo: float, hi: float):
     "The first compute budget in [lo, hi] where a's and b's compute-optimal losses cross, or None."
 
@@ -168,10 +170,10 @@ def crossing(a: Law, b: Law, lo: float, hi: float):
         x, y = (m, y) if np.sign(gap(np.exp(m))) == s[flips[0]] else (x, m)
     return float(np.exp((x + y) / 2))
 
-# %% ../../nbs/12c_eval_scaling.ipynb #450ec108
+# %% ../../nbs/12c_eval_scaling.ipynb #43b2fa9c
 FAMILIES = {"dense": ["model.moe.n_routed=0"], "moe": []}
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #5b2aff96
 @dataclasses.dataclass
 class Sweep:
     "A scaling sweep: model families x widths x compute budgets (FLOPs per run), and one held-out configuration."
@@ -187,14 +189,14 @@ class Sweep:
     min_steps: int = 20  # a run with fewer steps is refused: its schedule would be all warmup and decay
     lr_width: float = 0.0  # schedule.lr = lr_width / width, min_lr a tenth of it; 0 = the config's at every width
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #dc9d9e96
 def width_overrides(width: int, n_heads: int) -> list:
     "The overrides that make a model `width` wide: model, expert and (per head) attention widths."
     if width % n_heads:
         raise ConfigError(f"width {width} does not split into {n_heads} attention heads: choose a multiple")
     return [f"model.d_model={width}", f"model.moe.expert_d_ff={width}", f"model.attention.head_dim={width // n_heads}"]
 
-# %% ../../nbs/12c_eval_scaling.ipynb #4e4c4d20
+# %% ../../nbs/12c_eval_scaling.ipynb #e21c74ad
 def sweep_runs(sweep: Sweep) -> list:
     "Every run of `sweep` (the held-out one last): family, width, budget, N, steps, tokens, FLOPs, name, overrides."
     base = load_config(sweep.config, sweep.overrides)
@@ -233,7 +235,7 @@ def sweep_runs(sweep: Sweep) -> list:
         )
     return runs
 
-# %% ../../nbs/12c_eval_scaling.ipynb #c3b0308e
+# %% ../../nbs/12c_eval_scaling.ipynb #82c6a0f6
 def sweep_cost(sweep: Sweep, runs: list, costs: dict = None) -> float:
     "The estimated CPU seconds of `runs`: their steps times each family and width's measured seconds per step."
     if costs is None:
@@ -241,7 +243,7 @@ def sweep_cost(sweep: Sweep, runs: list, costs: dict = None) -> float:
         costs = step_costs({k: load_config(sweep.config, r["overrides"]) for k, r in kinds.items()}, rounds=3)
     return sum(r["steps"] * costs[f"{r['family']}/d{r['width']}"] for r in runs)
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #3b16ced9
 def check_cost(sweep: Sweep, seconds: float):
     "Refuse a sweep whose estimated cost is over its cap, in one line."
     if seconds > sweep.max_cpu_hours * 3600:
@@ -250,13 +252,13 @@ def check_cost(sweep: Sweep, seconds: float):
             "lower its budgets, drop a width, or raise max_cpu_hours"
         )
 
-# %% ../../nbs/12c_eval_scaling.ipynb #db5042e1
+# %% ../../nbs/12c_eval_scaling.ipynb #303dd9db
 def sweep_result(run: dict, run_dir) -> dict:
     "A finished run's row: its plan and its final held-out bpb."
     bpb = final_figures(read_metrics(Path(run_dir) / "metrics.jsonl"))["val/bpb"]
     return {k: v for k, v in run.items() if k != "overrides"} | {"bpb": bpb}
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #41ecf744
 def run_sweep(sweep: Sweep, root, heldout: bool = False, costs: dict = None, progress: bool = False) -> list:
     "Train the fit's runs of `sweep` (`heldout=True`: the held-out ones) into ROOT; their rows (also ROOT/sweep.json)."
     root, runs = Path(root), sweep_runs(sweep)
@@ -274,7 +276,7 @@ def run_sweep(sweep: Sweep, root, heldout: bool = False, costs: dict = None, pro
     ck.write_json_atomic(root / "sweep.json", keep + rows)
     return rows
 
-# %% ../../nbs/12c_eval_scaling.ipynb #aa7ca963
+# %% ../../nbs/12c_eval_scaling.ipynb #033b3f7c
 def fit_families(rows: list, boot: int = 100) -> dict:
     "One `ScalingFit` per family, fitted to its rows that are not held out."
     fits = {}
@@ -283,12 +285,12 @@ def fit_families(rows: list, boot: int = 100) -> dict:
         fits[family] = fit_scaling([r["N"] for r in mine], [r["tokens"] for r in mine], [r["bpb"] for r in mine], boot)
     return fits
 
-
+# %% ../../nbs/12c_eval_scaling.ipynb #063edaca
 def frontier(fits: dict, budgets) -> list:
     "Per family and budget: the compute-optimal size and loss, each with its 95% interval."
     return [dict(family=f, **fit.optimal(C)) for f, fit in fits.items() for C in budgets]
 
-# %% ../../nbs/12c_eval_scaling.ipynb #d2a29b90
+# %% ../../nbs/12c_eval_scaling.ipynb #5074ec18
 SMALL_SWEEP = Sweep(
     None,
     widths=[16, 24, 32],
@@ -298,6 +300,8 @@ SMALL_SWEEP = Sweep(
     overrides=["training.seq_len=64", "training.batch_size=8", "training.eval_batches=64"],
     lr_width=0.2,
 )
+
+# %% ../../nbs/12c_eval_scaling.ipynb #0e32738a
 FULL_SWEEP = Sweep(
     None,
     widths=[16, 24, 32, 48, 64, 96, 128],

@@ -31,7 +31,7 @@ from cipher_nb.monitor.health import (
     over_limit,
 )
 
-# %% ../../nbs/07a_monitor_gate.ipynb #659215e8
+# %% ../../nbs/07a_monitor_gate.ipynb #e7ff4324
 class GateLine(NamedTuple):
     "One criterion of the verification gate: `passed` is True, False, or None when skipped."
 
@@ -40,24 +40,24 @@ class GateLine(NamedTuple):
     figure: str
     reads: str = ""  # the logged metrics it reads
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #24c9945c
 def _points(rows: list, key: str) -> list:
     "(step, value) for every row holding a number under `key`, in file order."
     return [(r.get("step"), v) for r in rows if (v := as_number(r.get(key))) is not None]
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #f218900c
 def _tail_mean(vals: list) -> float:
     "Mean of the last quarter of `vals` (at least one value)."
     t = vals[-max(1, len(vals) // 4) :]
     return sum(t) / len(t)
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #d44f09b8
 def _layer_ids(rows: list, metric: str) -> list:
     "Layer numbers N for which some row holds `router/layerN_{metric}`."
     pat = re.compile(rf"router/layer(\d+)_{metric}")
     return sorted({int(m.group(1)) for r in rows for k in r if (m := pat.fullmatch(k))})
 
-# %% ../../nbs/07a_monitor_gate.ipynb #c6d82fdb
+# %% ../../nbs/07a_monitor_gate.ipynb #6c1abdd8
 def gate_loss_fell(rows: list, m: MonitorConfig) -> GateLine:
     "The loss at the end of the first `monitor.gate_steps` steps is below the first logged loss."
     name = f"loss fell over the first {m.gate_steps} steps"
@@ -72,7 +72,7 @@ def gate_loss_fell(rows: list, m: MonitorConfig) -> GateLine:
     fig = f"{head:.4g} at step {pts[0][0]} -> {tail:.4g} (last quarter, to step {pts[-1][0]})"
     return GateLine(name, tail < head, fig, "loss")
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #023592ba
 def _skips(rows: list) -> list:
     "(step, count) of the skipped steps: each of `skipped_at`, else the row's step and its `skipped` count."
     windowed, out, before = any("skipped_total" in r or "skipped_at" in r for r in rows), [], 0
@@ -85,7 +85,7 @@ def _skips(rows: list) -> list:
         before = n
     return out
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #ba64d253
 def gate_finite(rows: list, m: MonitorConfig) -> GateLine:
     "No step skipped as non-finite, and no loss or gradient norm NaN or infinite anywhere in the run."
     checked = [(r.get("step"), k, r[k]) for r in rows for k in loss_keys(r) if as_number(r[k]) is not None]
@@ -99,20 +99,20 @@ def gate_finite(rows: list, m: MonitorConfig) -> GateLine:
     reads = "skipped_at, skipped, loss, loss/*, grad_norm"
     return GateLine("no skipped step, no NaN or inf in the losses and gradient norm", not bad, fig, reads)
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #3f919481
 def _expert_loads(rows: list, layer: int) -> dict:
     "Each expert's load over the last quarter, by expert index (empty: no per-expert loads logged)."
     pat = re.compile(rf"router/layer{layer}_load_(\d+)")
     experts = sorted({int(g.group(1)) for r in rows for k in r if (g := pat.fullmatch(k))})
     return {e: _tail_mean([v for _, v in _points(rows, f"router/layer{layer}_load_{e}")] or [0.0]) for e in experts}
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #0a629914
 def _utilisation(rows: list, layer: int) -> float | None:
     "The busiest expert's share over the mean, loads averaged over the last quarter (None: no loads logged)."
     loads = _expert_loads(rows, layer)
     return max(loads.values()) / max(sum(loads.values()) / len(loads), 1e-12) if loads else None
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #98d938f3
 def gate_load(rows: list, m: MonitorConfig) -> GateLine:
     "In every MoE layer the busiest expert's load over the last quarter is under `monitor.max_load_ratio` x the mean."
     name = f"max expert load under {m.max_load_ratio:g}x the mean in every layer"
@@ -134,7 +134,7 @@ def gate_load(rows: list, m: MonitorConfig) -> GateLine:
     reads = "router/layerN_load_E, router/layerN_max_load"
     return GateLine(name, all(v < m.max_load_ratio for v in load.values()), fig, reads)
 
-# %% ../../nbs/07a_monitor_gate.ipynb #42acb833
+# %% ../../nbs/07a_monitor_gate.ipynb #b2abb21b
 def gate_router_learning(rows: list, m: MonitorConfig) -> GateLine:
     "Mean routing entropy over layers fell while the loss fell (the router is learning)."
     name = "routing entropy falling while loss falls (router learning)"
@@ -153,7 +153,7 @@ def gate_router_learning(rows: list, m: MonitorConfig) -> GateLine:
     fig = f"entropy {e0:.3f} -> {et:.3f}, loss {l0:.4g} -> {lt:.4g}"
     return GateLine(name, et < e0 and lt < l0, fig, "router/layerN_entropy, loss")
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #9b4ec6a7
 def gate_overlap(rows: list, m: MonitorConfig, populations=None) -> GateLine:
     "Cross-population overlap under `monitor.max_overlap` (only when the experts form two populations)."
     name, reads = f"cross-population overlap under {m.max_overlap:g}", "router/cross_pop_overlap"
@@ -167,12 +167,12 @@ def gate_overlap(rows: list, m: MonitorConfig, populations=None) -> GateLine:
     tail = _tail_mean(pts)
     return GateLine(name, tail < m.max_overlap, f"{tail:.3f}, last quarter", reads)
 
-# %% ../../nbs/07a_monitor_gate.ipynb #ea2026fe
+# %% ../../nbs/07a_monitor_gate.ipynb #b7cb9931
 def most_over(norms: list, limit: float, span: int = GRAD_NORM_SPAN) -> int:
     "The most of any `span` consecutive `norms` over `limit` (all of them when fewer)."
     return max((over_limit(norms[i : i + span], limit) for i in range(max(1, len(norms) - span + 1))), default=0)
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #5ab2e9cc
 def gate_grad_norm(rows: list, m: MonitorConfig, warmup_steps: int = 0) -> GateLine:
     "After warmup, no blow-up: never more than half of `GRAD_NORM_SPAN` log rows in a row over `monitor.max_grad_norm`."
     limit, most = m.max_grad_norm, GRAD_NORM_SPAN // 2
@@ -195,7 +195,7 @@ def gate_grad_norm(rows: list, m: MonitorConfig, warmup_steps: int = 0) -> GateL
     )
     return GateLine(name, worst <= most, fig, reads)
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #1d876a1f
 def gate_utilisation(rows: list, m: MonitorConfig) -> GateLine:
     "On GPU runs, NVML's busy time `gpu_util` over `monitor.min_gpu_util` percent; MFU shown beside it, not judged."
     name, reads = f"GPU utilisation over {m.min_gpu_util:g}%", "gpu_util; mfu as information"
@@ -209,7 +209,7 @@ def gate_utilisation(rows: list, m: MonitorConfig) -> GateLine:
     tail = _tail_mean(util)
     return GateLine(name, tail > m.min_gpu_util, f"busy {tail:.0f}% of the time (NVML), last quarter" + info, reads)
 
-# %% ../../nbs/07a_monitor_gate.ipynb #8f3724ed
+# %% ../../nbs/07a_monitor_gate.ipynb #1079ac9e
 def _halt_ends(row: dict) -> tuple | None:
     "(share halting at loop 1, share halting at the row's last loop) from `loop/halt_frac_K`, or None."
     k = 1
@@ -218,7 +218,7 @@ def _halt_ends(row: dict) -> tuple | None:
     first, last = as_number(row.get("loop/halt_frac_1")), as_number(row.get(f"loop/halt_frac_{k}"))
     return None if first is None or last is None or k < 2 else (first, last)
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #58ff053c
 def gate_halting(rows: list, m: MonitorConfig) -> GateLine:
     "ACT halting did not collapse: over the last quarter, neither loop 1 nor the cap holds nearly every token."
     name, reads = f"halting spread over the loops (no loop holds {HALT_COLLAPSE_FRAC:.0%})", "loop/halt_frac_K"
@@ -229,7 +229,7 @@ def gate_halting(rows: list, m: MonitorConfig) -> GateLine:
     fig = f"{first:.0%} halt at loop 1, {last:.0%} at the cap, last quarter"
     return GateLine(name, first < HALT_COLLAPSE_FRAC and last < HALT_COLLAPSE_FRAC, fig, reads)
 
-# %% ../../nbs/07a_monitor_gate.ipynb #737185b4
+# %% ../../nbs/07a_monitor_gate.ipynb #e4351eea
 def gate_memory(rows: list, m: MonitorConfig) -> GateLine:
     "The Engram memory is used: every layer's mean gate over the gate window is at least `ENGRAM_MIN_GATE`."
     name, reads = f"Engram memory used (mean gate at least {ENGRAM_MIN_GATE:g} in every layer)", "engram/layerN_gate"
@@ -246,7 +246,7 @@ def gate_memory(rows: list, m: MonitorConfig) -> GateLine:
         fig = f"{short[low]} collapsed to {means[low]:.3g}: the layer ignores its memory; " + fig
     return GateLine(name, means[low] >= ENGRAM_MIN_GATE, fig, reads)
 
-# %% ../../nbs/07a_monitor_gate.ipynb #ab8dff56
+# %% ../../nbs/07a_monitor_gate.ipynb #a570a243
 def gate(rows: list, mcfg: MonitorConfig, populations=None, warmup_steps: int = 0) -> list:
     "The verification gate over a run's metric rows (`warmup_steps`: the schedule's): one `GateLine` per criterion."
     lines = [
@@ -261,12 +261,12 @@ def gate(rows: list, mcfg: MonitorConfig, populations=None, warmup_steps: int = 
     extra = [gate_halting(rows, mcfg), gate_memory(rows, mcfg)]
     return lines + [g for g in extra if g.passed is not None]  # only runs that halt, or have Engram, have these
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #e55e8724
 def gate_passed(lines: list) -> bool:
     "True when no criterion failed (skipped ones do not count)."
     return all(g.passed is not False for g in lines)
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #e8060fb2
 def format_gate(lines: list) -> str:
     "One `PASS`/`FAIL`/`SKIP` line per criterion with its figure and the metrics it reads, then the verdict."
     w = max(len(g.criterion) for g in lines)
@@ -281,7 +281,7 @@ def format_gate(lines: list) -> str:
     )
     return "\n".join(out)
 
-# %% ../../nbs/07a_monitor_gate.ipynb #b4f87760
+# %% ../../nbs/07a_monitor_gate.ipynb #56cce916
 def read_metrics(path) -> list:
     "The rows of a `metrics.jsonl`, with errors that name the file and line."
     p = Path(path)
@@ -310,10 +310,10 @@ def read_metrics(path) -> list:
         raise ValueError(f"'{p}' holds no metrics: the run has not logged yet (it logs every training.log_every steps)")
     return rows
 
-# %% ../../nbs/07a_monitor_gate.ipynb #d42ddcb1
+# %% ../../nbs/07a_monitor_gate.ipynb #31486850
 GATE_FILE = "gate.json"
 
-
+# %% ../../nbs/07a_monitor_gate.ipynb #90bb8cec
 def write_gate(run, lines: list, rows: list) -> Path:
     "Keep the gate's verdict in `run/gate.json` (written whole or not at all); return its path."
     steps = [s for r in rows if (s := as_number(r.get("step"))) is not None]

@@ -30,7 +30,7 @@ def mem_gb(device=None) -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
-# %% ../../nbs/01c_monitor_metrics.ipynb #ff0e1797
+# %% ../../nbs/01c_monitor_metrics.ipynb #7fb27b941602401d91542211134fc71a
 PEAK_BF16_FLOPS = {  # dense bf16 FLOP/s per GPU, NVIDIA datasheets; first matching name wins
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
@@ -42,7 +42,7 @@ PEAK_BF16_FLOPS = {  # dense bf16 FLOP/s per GPU, NVIDIA datasheets; first match
     "B200": 2250e12,
 }
 
-
+# %% ../../nbs/01c_monitor_metrics.ipynb #8dd0d8092fe74a7c96281538738b07e2
 def peak_flops_for(name: str):
     "Dense bf16 peak FLOP/s of the GPU called `name` (as `torch.cuda.get_device_name` says it), or None."
     for k, v in PEAK_BF16_FLOPS.items():
@@ -50,7 +50,7 @@ def peak_flops_for(name: str):
             return v
     return None
 
-
+# %% ../../nbs/01c_monitor_metrics.ipynb #10185d26023b46108eb7d9f57d49d2b3
 def device_peak_flops(device=None):
     "Dense bf16 peak FLOP/s of `device`; None on CPU or for a GPU missing from `PEAK_BF16_FLOPS`."
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
@@ -58,7 +58,7 @@ def device_peak_flops(device=None):
         return None
     return peak_flops_for(torch.cuda.get_device_name(device))
 
-
+# %% ../../nbs/01c_monitor_metrics.ipynb #7cdc8c89c7104fffa095e18ddfef8986
 def mfu(tok_per_s: float, flops_per_token: float, peak_flops, n_devices: int = 1):
     "Model FLOPs utilisation: achieved training FLOP/s over the peak of `n_devices` chips (None without a peak)."
     if not peak_flops:
@@ -140,17 +140,17 @@ def sum_over_ranks(x: torch.Tensor, env: DistEnv, op=None) -> torch.Tensor:
         dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
     return x
 
-# %% ../../nbs/01c_monitor_metrics.ipynb #428216ac
+# %% ../../nbs/01c_monitor_metrics.ipynb #504fb2a444614c0babb325280ed9130a
 class NoHeldoutTargets(ValueError):
     "A held-out set in which no target stands for a byte: nothing to measure."
 
-
+# %% ../../nbs/01c_monitor_metrics.ipynb #8a65eabff63a45729fe45fb5ade58bdc
 NO_TARGETS = (
     "the held-out set has no scored target (every label is masked or a special token, e.g. SFT replies that are all "
     "empty): give it examples with text to predict, or turn evaluation off"
 )
 
-
+# %% ../../nbs/01c_monitor_metrics.ipynb #8309879909854d7188b41380fd92a7c3
 @torch.no_grad()
 def heldout_metrics(
     model: nn.Module, batches: list, byte_lengths: torch.Tensor, device=None, dtype=torch.float32, env: DistEnv = None

@@ -33,15 +33,15 @@ class HashingWriter:
     def hexdigest(self) -> str:
         return self.h.hexdigest()
 
-# %% ../../nbs/08c_persist_checksum.ipynb #eb1634be
+# %% ../../nbs/08c_persist_checksum.ipynb #cdb23c28
 SETTLED_S = 2.0  # a file changed more recently than this may change again under the same time stamps
 _digests = {}  # absolute path -> (inode, size, mtime, ctime), SHA-256: files this process has read and hashed
 
-
+# %% ../../nbs/08c_persist_checksum.ipynb #e661981d
 def _stat_key(st) -> tuple:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
-
+# %% ../../nbs/08c_persist_checksum.ipynb #567bd86d
 def file_sha256(path, chunk: int = 1 << 22) -> str:
     "SHA-256 of a file, read in chunks; a file unchanged since this process hashed it is not read again."
     path = os.path.abspath(path)

@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_hf.html.md"""
 # %% auto #0
 __all__ = ['HF_ARCHITECTURES', 'HF_LATENT_NORM_EPS', 'FORMATS', 'UnmappableConfig', 'hf_architecture', 'hf_config',
            'interleaved_rope_rows', 'latent_attention_tensors', 'hf_state_dict', 'byte_tokenizer', 'hf_tokenizer',
-           'export_hf', 'hf_logits_gap', 'check_hf_export', 'export_target', 'writer_of', 'write_hf', 'cipher_export']
+           'hf_logits_gap', 'check_hf_export', 'export_hf', 'export_target', 'writer_of', 'write_hf', 'cipher_export']
 
 # %% ../../nbs/12b_persist_hf.ipynb #16c06d7f
 import copy
@@ -28,7 +28,7 @@ from .export import CARD_FILE, CHAT_TEMPLATE_FILE, export_dir, load
 from .files import MARKER, CheckpointError, install_dir, is_complete
 from .runlock import RunLock
 
-# %% ../../nbs/12b_persist_hf.ipynb #cbf13ad8
+# %% ../../nbs/12b_persist_hf.ipynb #f6a0eaad
 HF_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -37,11 +37,11 @@ HF_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
 )
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #6ebdbe5d
 class UnmappableConfig(ValueError):
     "A config that no `transformers` architecture computes exactly; the message names the field."
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #f7ba4069
 def _refusals(m: ModelConfig) -> list:
     "(condition, field, reason) for every way `m` could fall outside the architecture it would map onto."
     a, e, moe, mla = m.attention, m.moe, m.n_moe_layers > 0, m.attention.kind == "mla"
@@ -79,7 +79,7 @@ def _refusals(m: ModelConfig) -> list:
         ]
     return rules
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #90e98242
 def hf_architecture(m: ModelConfig) -> str:
     "The `transformers` class that computes what a cipher_nb model of config `m` computes, or `UnmappableConfig`."
     for bad, name, why in _refusals(m):
@@ -92,7 +92,7 @@ def hf_architecture(m: ModelConfig) -> str:
         return "MistralForCausalLM" if m.attention.sliding_window else "LlamaForCausalLM"
     return "Glm4MoeForCausalLM" if m.moe.router_score == "sigmoid" else "MixtralForCausalLM"
 
-# %% ../../nbs/12b_persist_hf.ipynb #15efa740
+# %% ../../nbs/12b_persist_hf.ipynb #d556d5ad
 def _moe_fields(m: ModelConfig) -> dict:
     "GLM-4 MoE's and DeepSeek-V3's MoE block: sigmoid routing with a correction bias, shared experts, one group."
     e = m.moe
@@ -110,7 +110,7 @@ def _moe_fields(m: ModelConfig) -> dict:
         num_nextn_predict_layers=0,
     )
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #b96711e0
 def _latent_fields(m: ModelConfig) -> dict:
     "DeepSeek-V3's attention shapes for cipher_nb's latent attention."
     a = m.attention
@@ -125,7 +125,7 @@ def _latent_fields(m: ModelConfig) -> dict:
         rope_parameters=dict(rope_type="default", rope_theta=float(a.rope_base)),
     )
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #723343a5
 def hf_config(m: ModelConfig, specials: dict, arch: str = None, max_positions: int = None):
     "The `transformers` config of `arch` (default: `hf_architecture(m)`) with `m`'s shapes and the codec's specials."
     import transformers
@@ -169,15 +169,15 @@ def hf_config(m: ModelConfig, specials: dict, arch: str = None, max_positions: i
     cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     return cls(architectures=[arch], **kw)
 
-# %% ../../nbs/12b_persist_hf.ipynb #31847672
+# %% ../../nbs/12b_persist_hf.ipynb #e5821bf5
 HF_LATENT_NORM_EPS = 1e-6  # the eps transformers' DeepSeek-V3 gives its latent RMSNorms, whatever the config says
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #1546d5cd
 def interleaved_rope_rows(dr: int) -> torch.Tensor:
     "Row order that puts cipher_nb's RoPE pair (i, i + dr/2) at DeepSeek's interleaved positions (2i, 2i + 1)."
     return torch.arange(dr).view(2, dr // 2).t().reshape(-1)
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #024adddd
 def latent_attention_tensors(sd: dict, m: ModelConfig, src: str, dst: str) -> dict:
     "A `LatentAttention`'s tensors (prefix `src`) as DeepSeek-V3's (`dst`): RoPE rows interleaved, latents scaled."
     a = m.attention
@@ -206,14 +206,14 @@ def latent_attention_tensors(sd: dict, m: ModelConfig, src: str, dst: str) -> di
         out[dst + "q_proj.weight"] = query(sd[src + "wq.weight"])
     return out
 
-# %% ../../nbs/12b_persist_hf.ipynb #cc8288fd
+# %% ../../nbs/12b_persist_hf.ipynb #715e1e20
 def _swiglu(sd: dict, src: str, dst: str) -> dict:
     return {
         f"{dst}.{b}.weight": sd[f"{src}.{a}.weight"]
         for a, b in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
     }
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #134ad491
 def hf_state_dict(sd: dict, m: ModelConfig, arch: str) -> dict:
     "cipher_nb's tensors under the names (and the fused expert layout) of `arch`; the tied head left out."
     out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
@@ -241,7 +241,7 @@ def hf_state_dict(sd: dict, m: ModelConfig, arch: str) -> dict:
                 out.update(_swiglu(sd, p + "ffn.shared", q + "mlp.shared_experts"))
     return out
 
-# %% ../../nbs/12b_persist_hf.ipynb #94a12973
+# %% ../../nbs/12b_persist_hf.ipynb #44a83dce
 def byte_tokenizer():
     "A `tokenizers` tokenizer whose ids are the byte codec's: each byte its own value, then the specials in order."
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -253,7 +253,7 @@ def byte_tokenizer():
     tok.add_special_tokens([special_token(n) for n in SPECIALS])
     return tok
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #ffbcea77
 def hf_tokenizer(codec, chat_template: str = None):
     "A `transformers` tokenizer with `codec`'s ids that starts each text with BOS (as cipher_nb's prompts do)."
     from tokenizers import Tokenizer, processors
@@ -272,7 +272,30 @@ def hf_tokenizer(codec, chat_template: str = None):
         chat_template=chat_template,
     )
 
-# %% ../../nbs/12b_persist_hf.ipynb #48f7c31f
+# %% ../../nbs/12b_persist_hf.ipynb #f7969772
+@torch.no_grad()
+def hf_logits_gap(model, out_dir, ids) -> float:
+    "Largest |logit difference| between `model` and the `transformers` checkpoint in `out_dir` on `ids` [B, T]."
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters())
+    ref, mode = (model if fp32 else copy.deepcopy(model).float()), model.training
+    ours = ref.eval()(ids).logits
+    model.train(mode)
+    return float((hf(ids).logits - ours).abs().max())
+
+# %% ../../nbs/12b_persist_hf.ipynb #aa225557
+def check_hf_export(model, out_dir, tol: float = 1e-4, n: int = 64, seed: int = 0):
+    "Fail when the written checkpoint's logits on `n` random ids differ from `model`'s by more than `tol`."
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab, (1, n), generator=g)
+    gap = hf_logits_gap(model, out_dir, ids)
+    if not gap <= tol:
+        raise RuntimeError(f"{out_dir}: transformers' logits differ from cipher_nb's by {gap:.3g} (> {tol})")
+    return gap
+
+# %% ../../nbs/12b_persist_hf.ipynb #18b93b2b
 def export_hf(model, codec, out_dir, chat_template: str = None, check: bool = True) -> str:
     "Write `model` as a `transformers` checkpoint with its tokenizer into `out_dir`; return the architecture."
     import transformers
@@ -295,29 +318,6 @@ def export_hf(model, codec, out_dir, chat_template: str = None, check: bool = Tr
     if check:
         check_hf_export(model, out_dir)
     return arch
-
-
-@torch.no_grad()
-def hf_logits_gap(model, out_dir, ids) -> float:
-    "Largest |logit difference| between `model` and the `transformers` checkpoint in `out_dir` on `ids` [B, T]."
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-    fp32 = all(p.dtype == torch.float32 for p in model.parameters())
-    ref, mode = (model if fp32 else copy.deepcopy(model).float()), model.training
-    ours = ref.eval()(ids).logits
-    model.train(mode)
-    return float((hf(ids).logits - ours).abs().max())
-
-
-def check_hf_export(model, out_dir, tol: float = 1e-4, n: int = 64, seed: int = 0):
-    "Fail when the written checkpoint's logits on `n` random ids differ from `model`'s by more than `tol`."
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.cfg.vocab, (1, n), generator=g)
-    gap = hf_logits_gap(model, out_dir, ids)
-    if not gap <= tol:
-        raise RuntimeError(f"{out_dir}: transformers' logits differ from cipher_nb's by {gap:.3g} (> {tol})")
-    return gap
 
 # %% ../../nbs/12b_persist_hf.ipynb #5782e164
 def export_target(src, out, force: bool = False) -> Path:
@@ -368,10 +368,10 @@ def write_hf(src: Path, out: Path) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
     return arch
 
-# %% ../../nbs/12b_persist_hf.ipynb #e23b089b
+# %% ../../nbs/12b_persist_hf.ipynb #0873e065
 FORMATS = ("hf",)
 
-
+# %% ../../nbs/12b_persist_hf.ipynb #f274d5fa
 @command
 def cipher_export(
     run: str,  # a run directory (its final/ is exported) or an export folder

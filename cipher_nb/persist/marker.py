@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_marker.html.md"""
 # %% auto #0
 __all__ = ['MARKER', 'PENDING', 'CheckpointError', 'UnsafeCheckpointError', 'ResumeError', 'StageError', 'is_complete',
            'fsync_dir', 'write_durable', 'write_json_atomic', 'first_sentence', 'safe_load', 'check_plain',
-           'CheckpointWarning', 'UnverifiedWarning', 'write_marker', 'utc_now', 'finish_replacement', 'marker_sums',
+           'CheckpointWarning', 'UnverifiedWarning', 'utc_now', 'write_marker', 'marker_sums', 'finish_replacement',
            'changed_file', 'note_unverified', 'verify_checkpoint', 'replace_marked']
 
 # %% ../../nbs/08e_persist_marker.ipynb #ad105a17
@@ -26,31 +26,31 @@ import torch
 from ..faults import save_fault_point
 from .checksum import file_sha256
 
-# %% ../../nbs/08e_persist_marker.ipynb #7855b965
+# %% ../../nbs/08e_persist_marker.ipynb #e7730498
 class CheckpointError(RuntimeError):
     "A checkpoint that cannot be used; the message names the file and what to do."
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #5f4f27a0
 class UnsafeCheckpointError(CheckpointError):
     "A file that needs arbitrary pickled objects to load: refused, because unpickling them can run code."
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #b3af5550
 class ResumeError(CheckpointError):
     "An exact resume whose training-critical config or world size differ from the checkpoint's."
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #503bda11
 class StageError(CheckpointError):
     "A start that breaks the stage contract pretrain -> refinement -> sft."
 
-# %% ../../nbs/08e_persist_marker.ipynb #abb10dda
+# %% ../../nbs/08e_persist_marker.ipynb #e91abdfb
 MARKER = "COMPLETE"
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #cdf1d7a4
 def is_complete(path) -> bool:
     "Whether the checkpoint directory has its completeness marker."
     return (Path(path) / MARKER).is_file()
 
-# %% ../../nbs/08e_persist_marker.ipynb #650f3da7
+# %% ../../nbs/08e_persist_marker.ipynb #e15d8e7d
 def fsync_dir(path):
     "Flush a directory's entries (a rename or a new file in it) to disk."
     fd = os.open(path, os.O_RDONLY)
@@ -59,7 +59,7 @@ def fsync_dir(path):
     finally:
         os.close(fd)
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #d5a835f8
 def write_durable(path, data: bytes) -> str:
     "Write `data` to `path` and flush it to disk; return its SHA-256 (what a marker records)."
     with open(path, "wb") as f:
@@ -68,7 +68,7 @@ def write_durable(path, data: bytes) -> str:
         os.fsync(f.fileno())
     return hashlib.sha256(data).hexdigest()
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #20b5ab4f
 def write_json_atomic(path, obj):
     "Replace `path` by `obj` as JSON so a reader sees the old file or the new one, never half of one."
     path = Path(path)
@@ -77,12 +77,12 @@ def write_json_atomic(path, obj):
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
-# %% ../../nbs/08e_persist_marker.ipynb #a630a65f
+# %% ../../nbs/08e_persist_marker.ipynb #529cce31
 def first_sentence(e) -> str:
     "The first sentence of an error's message (library messages run long), at most 300 characters."
     return re.split(r"\n|\. ", str(e).strip())[0][:300]
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #4dba8fad
 def safe_load(file, mmap: bool = False):
     "`torch.load(file, weights_only=True)` with errors that name the file and the way out."
     file = Path(file)
@@ -131,15 +131,15 @@ def check_plain(tree, path: str = "state"):
             "plain values (it is loaded with weights_only=True); store it as a dict, list or tensor"
         )
 
-# %% ../../nbs/08e_persist_marker.ipynb #7b09bbf2
+# %% ../../nbs/08e_persist_marker.ipynb #8a0d9d6d
 class CheckpointWarning(UserWarning):
     "A checkpoint was skipped (damaged) and an older one is used instead."
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #d5ffd28f
 class UnverifiedWarning(CheckpointWarning):
     "A checkpoint whose marker predates checksums was used: its sizes were checked, its bytes were not."
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #2fc37e29
 def _files(path) -> dict:
     path = Path(path)
     return {
@@ -148,7 +148,12 @@ def _files(path) -> dict:
         if f.is_file() and f.name != MARKER and not f.name.startswith("." + MARKER)
     }
 
+# %% ../../nbs/08e_persist_marker.ipynb #f1b2fe62
+def utc_now() -> str:
+    "Now, in UTC, to the second (ISO 8601): the time stamp of markers, metadata and run records."
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
+# %% ../../nbs/08e_persist_marker.ipynb #032b12d5
 def write_marker(path, sums: dict | None = None, sizes: dict | None = None, **info):
     "Mark the directory `path` complete: each file's size and SHA-256 (from `sums` when known, else read here), `info`."
     path, sums = Path(path), sums or {}
@@ -159,15 +164,15 @@ def write_marker(path, sums: dict | None = None, sizes: dict | None = None, **in
     os.replace(tmp, path / MARKER)  # the marker itself appears whole or not at all
     fsync_dir(path)
 
-
-def utc_now() -> str:
-    "Now, in UTC, to the second (ISO 8601): the time stamp of markers, metadata and run records."
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-# %% ../../nbs/08e_persist_marker.ipynb #12304f3f
+# %% ../../nbs/08e_persist_marker.ipynb #cc642344
 PENDING = f".{MARKER}.next."  # a replacement's new bytes wait under this prefix (never in a marker's files)
 
+# %% ../../nbs/08e_persist_marker.ipynb #12ff88ea
+def marker_sums(marker: dict) -> dict:
+    "The SHA-256 of each file a marker vouches for (an export before checksums kept some under `extras`)."
+    return {**marker.get("extras", {}), **marker.get("sha256", {})}
 
+# %% ../../nbs/08e_persist_marker.ipynb #3e386f58
 def finish_replacement(path, marker: dict):
     "Move into place each pending file whose bytes `marker` names (a replacement a crash cut after its commit)."
     for pending in Path(path).glob(f"{PENDING}*"):
@@ -176,21 +181,16 @@ def finish_replacement(path, marker: dict):
             os.replace(pending, Path(path) / rel)
             fsync_dir(path)
 
-# %% ../../nbs/08e_persist_marker.ipynb #c765462f
-_unverified_noted = set()  # checkpoints already reported as loaded without checksums, once per process
-
-
-def marker_sums(marker: dict) -> dict:
-    "The SHA-256 of each file a marker vouches for (an export before checksums kept some under `extras`)."
-    return {**marker.get("extras", {}), **marker.get("sha256", {})}
-
-
+# %% ../../nbs/08e_persist_marker.ipynb #86f0a8d3
 def changed_file(f) -> str:
     "The message for a file whose bytes differ from its checksum."
     return (
         f"{f}: its SHA-256 does not match the marker's: the file changed after it was written (a flipped bit on disk, "
         "a bad copy, an edit); use an earlier checkpoint or an intact copy"
     )
+
+# %% ../../nbs/08e_persist_marker.ipynb #f0326784
+_unverified_noted = set()  # checkpoints already reported as loaded without checksums, once per process
 
 
 def note_unverified(path, marker: dict):
@@ -204,7 +204,7 @@ def note_unverified(path, marker: dict):
             stacklevel=3,
         )
 
-
+# %% ../../nbs/08e_persist_marker.ipynb #dcb4fafe
 def verify_checkpoint(path, deep: bool = False, checksums: bool = True) -> dict:
     "Check a checkpoint against its marker (files present, sizes, SHA-256s; `deep`: zip CRCs too); return the marker."
     path = Path(path)

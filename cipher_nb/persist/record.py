@@ -27,7 +27,7 @@ from ..optim.parallel import kernels_in_use
 from .export import file_sha256
 from .files import CheckpointError, dist_info, read_meta, utc_now, verify_checkpoint, write_json_atomic
 
-# %% ../../nbs/09d_persist_record.ipynb #00bd83c7
+# %% ../../nbs/09d_persist_record.ipynb #c5f9970a
 def git_commit(path=None) -> dict | None:
     "The commit of the git repository holding `path` (default: cipher_nb's), with whether it has changes, or None."
     path = str(path or Path(cipher_nb.__file__).parent)
@@ -44,7 +44,7 @@ def git_commit(path=None) -> dict | None:
         return None
     return dict(commit=commit, dirty=bool(git("status", "--porcelain", "--untracked-files=no")))
 
-
+# %% ../../nbs/09d_persist_record.ipynb #6a94a351
 def hardware_info() -> dict:
     "The machine: CPU, cores, memory, GPUs, and the Python, torch and CUDA versions."
     cpu = platform.processor() or platform.machine()
@@ -76,7 +76,7 @@ def hardware_info() -> dict:
         ]
     return info
 
-
+# %% ../../nbs/09d_persist_record.ipynb #2e196b3f
 def checkpoint_hash(path) -> str:
     "One SHA-256 over a complete checkpoint's files (names and contents, marker excluded)."
     path = Path(path)

@@ -39,10 +39,10 @@ from ..data.sources import DataError, data_fingerprint, data_manifest, has_heldo
 from .files import fsync_dir, write_durable, write_json_atomic
 from .runlock import RunLock
 
-# %% ../../nbs/09e_persist_shards.ipynb #5ce0c51d
+# %% ../../nbs/09e_persist_shards.ipynb #54a3e6ad
 SHARD_BYTES = 64 << 20  # bytes of text per shard: a few seconds of tokenizing for one process
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #fb25688f
 def shard_tasks(data: DataConfig, shard_bytes: int = SHARD_BYTES):
     "(name, source, split, documents) of each shard of `data`, in order: every split's sources cut into shards."
     for split in ("train", "heldout"):
@@ -60,13 +60,13 @@ def shard_tasks(data: DataConfig, shard_bytes: int = SHARD_BYTES):
             if docs:
                 yield f"{name}.{split}.{k:05d}", name, split, docs
 
-# %% ../../nbs/09e_persist_shards.ipynb #12dd9c78
+# %% ../../nbs/09e_persist_shards.ipynb #7ffa22f9
 @functools.lru_cache(None)
 def codec_for(codec: str, tokenizer: str):
     "The codec of a data section, built once per process."
     return build_codec(DataConfig(codec=codec, tokenizer=tokenizer))
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #c4c79491
 def write_atomic(path: Path, data: bytes) -> str:
     "Write `data` under a temporary name, flush it, rename it to `path`: whole or absent; its SHA-256."
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -74,7 +74,7 @@ def write_atomic(path: Path, data: bytes) -> str:
     os.replace(tmp, path)
     return sha
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #ee431b98
 def write_shard(root: Path, data: DataConfig, task: tuple, prepared_from: str) -> dict:
     "Tokenize one shard's documents and write its files, then its record; the record (its manifest entry)."
     name, source, split, docs = task
@@ -84,7 +84,7 @@ def write_shard(root: Path, data: DataConfig, task: tuple, prepared_from: str) -
     write_json_atomic(root / f"{name}.json", rec)  # last: the shard is finished
     return rec
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #e5d9aa56
 def finished_shard(root: Path, name: str, dtype, prepared_from: str) -> dict | None:
     "The record of shard `name` if an earlier prepare finished it from the same data and its files match; else None."
     f = root / f"{name}.json"
@@ -104,7 +104,7 @@ def write_manifest(root: Path, data: DataConfig, dm: dict, dtype, recs: list) ->
     write_json_atomic(root / MANIFEST, m)
     return m
 
-# %% ../../nbs/09e_persist_shards.ipynb #e2bf1cb2
+# %% ../../nbs/09e_persist_shards.ipynb #38210aea
 def prepared_already(root: Path, prepared_from: str, dtype) -> dict | None:
     "The manifest of a finished prepare of the same data whose every shard still matches its record; else None."
     try:
@@ -115,17 +115,19 @@ def prepared_already(root: Path, prepared_from: str, dtype) -> dict | None:
     same = all(r.get("prepared_from") == prepared_from and not check_shard(root, r, dtype) for r in shards)
     return m if shards and same else None
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #60d0214e
 def _done(value) -> Future:
     f = Future()
     f.set_result(value)
     return f
 
-# %% ../../nbs/09e_persist_shards.ipynb #27661576
+# %% ../../nbs/09e_persist_shards.ipynb #300f179a
 SHARD_NAME = re.compile(r"(.+\.(bin|idx|json)|\..+\.tmp-\d+)")  # shard files, records, the manifest, temporaries
+
+# %% ../../nbs/09e_persist_shards.ipynb #b77b3c9d
 RUN_FILES = ("config.yaml", "metrics.jsonl", "record.json", "checkpoints")  # what makes a directory a run's
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #20ef7ac8
 def check_out(root: Path, force: bool = False):
     "Refuse an `--out` that is a file, a run directory or (unless `force`) a folder of files a prepare did not write."
     if root.exists() and not root.is_dir():
@@ -140,11 +142,11 @@ def check_out(root: Path, force: bool = False):
             "give an empty or new directory, or --force to write beside them"
         )
 
-# %% ../../nbs/09e_persist_shards.ipynb #9da2cdce
+# %% ../../nbs/09e_persist_shards.ipynb #b418e2c7
 class PrepareStopped(Exception):
     "SIGTERM or SIGINT during a prepare: the finished shards are kept and the same command continues from them."
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #0555624e
 @contextmanager
 def stop_on_signals():
     "SIGTERM / SIGINT raise `PrepareStopped` in the block (main thread only: elsewhere signals cannot be caught)."
@@ -162,7 +164,7 @@ def stop_on_signals():
         for s, h in old.items():
             signal.signal(s, h)
 
-# %% ../../nbs/09e_persist_shards.ipynb #4441f6a5
+# %% ../../nbs/09e_persist_shards.ipynb #4911698a
 def worker_init():
     "A tokenizing worker: leaves Ctrl-C to the main process, and on Linux dies with it (PR_SET_PDEATHSIG)."
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -172,7 +174,7 @@ def worker_init():
     except (AttributeError, OSError):  # not Linux: the main process's stop still ends the workers
         pass
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #995902b6
 def end_workers(pool: ProcessPoolExecutor):
     "Cancel the queued shards and terminate the workers now (a running shard is not waited for)."
     workers = list((getattr(pool, "_processes", None) or {}).values())  # the executor offers no public list
@@ -182,7 +184,7 @@ def end_workers(pool: ProcessPoolExecutor):
     for w in workers:
         w.join(10)
 
-
+# %% ../../nbs/09e_persist_shards.ipynb #0880bf9e
 def remove_temporaries(root: Path) -> int:
     "Remove the temporary shard files of stopped or killed prepares (the caller holds the lock); how many."
     tmp = list(root.glob(".*.tmp-*"))
@@ -190,32 +192,7 @@ def remove_temporaries(root: Path) -> int:
         f.unlink(missing_ok=True)
     return len(tmp)
 
-# %% ../../nbs/09e_persist_shards.ipynb #7f7c9f05
-def prepare_shards(
-    data: DataConfig,
-    out,
-    procs: int = 1,
-    shard_bytes: int = SHARD_BYTES,
-    wait_lock: bool = False,
-    progress=True,
-    force: bool = False,
-) -> dict:
-    "Tokenize `data`'s documents into shards under `out` with `procs` processes; write and return the manifest."
-    root = Path(out).expanduser()
-    check_out(root, force)
-    created = not root.exists()
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        with RunLock(root, wait=wait_lock), stop_on_signals():  # one prepare at a time; the with takes it once
-            return _prepare(data, root, procs, shard_bytes, progress)
-    except PrepareStopped:
-        raise
-    except BaseException:
-        if created and not any(root.glob("*.json")):  # refused or failed before a shard was finished: leave nothing
-            shutil.rmtree(root, ignore_errors=True)
-        raise
-
-
+# %% ../../nbs/09e_persist_shards.ipynb #fdfae79e
 def _prepare(data: DataConfig, root: Path, procs: int, shard_bytes: int, progress) -> dict:
     "The work of `prepare_shards`, under its lock."
     remove_temporaries(root)
@@ -257,6 +234,31 @@ def _prepare(data: DataConfig, root: Path, procs: int, shard_bytes: int, progres
         bar.close()
     fsync_dir(root)
     return write_manifest(root, data, dm, dtype, recs)
+
+# %% ../../nbs/09e_persist_shards.ipynb #dc89af94
+def prepare_shards(
+    data: DataConfig,
+    out,
+    procs: int = 1,
+    shard_bytes: int = SHARD_BYTES,
+    wait_lock: bool = False,
+    progress=True,
+    force: bool = False,
+) -> dict:
+    "Tokenize `data`'s documents into shards under `out` with `procs` processes; write and return the manifest."
+    root = Path(out).expanduser()
+    check_out(root, force)
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        with RunLock(root, wait=wait_lock), stop_on_signals():  # one prepare at a time; the with takes it once
+            return _prepare(data, root, procs, shard_bytes, progress)
+    except PrepareStopped:
+        raise
+    except BaseException:
+        if created and not any(root.glob("*.json")):  # refused or failed before a shard was finished: leave nothing
+            shutil.rmtree(root, ignore_errors=True)
+        raise
 
 # %% ../../nbs/09e_persist_shards.ipynb #398530e8
 @command(pos=["preset"])

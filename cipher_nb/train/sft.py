@@ -23,11 +23,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import cipher_nb.persist.files as ck
 from ..callbacks import Callback
 from ..config.load import Config, ConfigError, SFTConfig
 from ..core import dist_env
-from ..data.codecs import ByteCodec, build_codec
+from ..data.codecs import build_codec
 from ..data.conversations import load_conversations, read_utf8, stdlib_qa
 from ..data.documents import doc_hash
 from ..data.sources import DataError
@@ -35,7 +34,7 @@ from ..persist.checkpointer import is_sharded
 from ..persist.stages import StageHooks
 from .lora import check_mode, has_lora, inject_lora, merge_lora, merge_lora_state
 
-# %% ../../nbs/11_train_sft.ipynb #476a4835
+# %% ../../nbs/11_train_sft.ipynb #69459bf5
 @dataclass
 class Example:
     "One rendered conversation: its ids and which of them are targets with loss."
@@ -48,7 +47,7 @@ class Example:
     def n_inputs(self) -> int:
         return len(self.ids) - 1
 
-
+# %% ../../nbs/11_train_sft.ipynb #2c098631
 def supervised_turns(messages: list, mask: str = "final") -> set:
     "Indices of the assistant messages that carry loss: the last one (`final`) or all of them (`all`)."
     if mask not in ("final", "all"):
@@ -56,7 +55,7 @@ def supervised_turns(messages: list, mask: str = "final") -> set:
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     return set(turns if mask == "all" else turns[-1:])
 
-
+# %% ../../nbs/11_train_sft.ipynb #2b5712fb
 def render_conversation(messages: list, codec, mask: str = "final", generation_prompt: bool = False) -> tuple:
     "`(ids, loss)` of a conversation with the role and end-of-turn specials, optionally ending in an open reply."
     trained = supervised_turns(messages, mask)
@@ -70,7 +69,7 @@ def render_conversation(messages: list, codec, mask: str = "final", generation_p
         loss.append(np.zeros(1, bool))
     return np.concatenate(ids), np.concatenate(loss)
 
-# %% ../../nbs/11_train_sft.ipynb #09b8c1d5
+# %% ../../nbs/11_train_sft.ipynb #6814a63b
 @dataclass
 class ChatTemplate:
     "A Jinja chat template and the special strings it is rendered with."
@@ -90,11 +89,11 @@ class ChatTemplate:
             eos_token=self.eos_token,
         )
 
-
+# %% ../../nbs/11_train_sft.ipynb #60c924b9
 def _token_str(x) -> str:
     return x.get("content", "") if isinstance(x, dict) else (x or "")
 
-
+# %% ../../nbs/11_train_sft.ipynb #dbf1c1b4
 def load_chat_template(path) -> ChatTemplate:
     "The chat template in a `.jinja` file or a `tokenizer_config.json`."
     p = Path(path)
@@ -114,7 +113,7 @@ def load_chat_template(path) -> ChatTemplate:
         )
     return ChatTemplate(tpl, _token_str(d.get("bos_token")), _token_str(d.get("eos_token")))
 
-# %% ../../nbs/11_train_sft.ipynb #b4dffb01
+# %% ../../nbs/11_train_sft.ipynb #dc734ef8
 def encode_spans(text: str, spans: list, codec) -> tuple:
     "Ids of `text` and a mask of the ids that overlap any character span in `spans`."
     if hasattr(codec, "tok"):  # a TokenizerCodec: the template's markers are its specials
@@ -134,7 +133,7 @@ def encode_spans(text: str, spans: list, codec) -> tuple:
         loss |= (offs[:, 1] > s) & (offs[:, 0] < e)
     return ids, loss
 
-
+# %% ../../nbs/11_train_sft.ipynb #b3d15dca
 def render_with_template(
     messages: list, template: ChatTemplate, codec, mask: str = "final", generation_prompt: bool = False
 ) -> tuple:
@@ -151,7 +150,7 @@ def render_with_template(
         spans.append((len(start), len(upto)))
     return encode_spans(full, spans, codec)
 
-# %% ../../nbs/11_train_sft.ipynb #2d96ae8e
+# %% ../../nbs/11_train_sft.ipynb #75ac3583
 def make_example(name: str, messages: list, codec, mask: str = "final", template: ChatTemplate = None) -> Example:
     "Render one conversation; an empty loss mask is an error naming the example."
     ids, loss = (
@@ -167,7 +166,7 @@ def make_example(name: str, messages: list, codec, mask: str = "final", template
         )
     return Example(name, ids, loss)
 
-
+# %% ../../nbs/11_train_sft.ipynb #6024a794
 def length_gate(examples: list, seq_len: int, drop: bool = False) -> tuple:
     "`(kept, dropped)`: over-length examples are an error naming them, or dropped (`drop=True`) and returned."
     long = [e for e in examples if e.n_inputs > seq_len]
@@ -183,7 +182,7 @@ def length_gate(examples: list, seq_len: int, drop: bool = False) -> tuple:
     keep = [e for e in examples if e.n_inputs <= seq_len]
     return keep, long
 
-# %% ../../nbs/11_train_sft.ipynb #ee0acf35
+# %% ../../nbs/11_train_sft.ipynb #a70bf2d1
 @dataclass
 class SFTData:
     "The examples of an SFT run, split and gated, with what was left out."
@@ -204,19 +203,19 @@ class SFTData:
                 h.update(np.packbits(e.loss).tobytes())
         return h.hexdigest()[:16]
 
-
+# %% ../../nbs/11_train_sft.ipynb #32bf2ff5
 def is_heldout_conversation(messages: list, frac: float) -> bool:
     "Whether a conversation is held out: a hash of its content below `frac`."
     return doc_hash(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()) < frac
 
-
+# %% ../../nbs/11_train_sft.ipynb #9a995aaa
 def qa_conversations() -> list:
     "The embedded stdlib questions as `[(name, messages)]`."
     return [
         (f"stdlib-qa:{n}", [dict(role="user", content=q), dict(role="assistant", content=a)]) for n, q, a in stdlib_qa()
     ]
 
-
+# %% ../../nbs/11_train_sft.ipynb #be9007bf
 def build_sft_data(s: SFTConfig, T: int, codec) -> SFTData:
     "The SFT examples of section `s` for windows of `T` ids: loaded or embedded, rendered, split by hash, length-gated."
     template = load_chat_template(s.chat_template) if s.chat_template else None
@@ -267,7 +266,7 @@ def pack_best_fit(lengths, capacity: int) -> list:
             bisect.insort(free, (room - n, w))
     return windows
 
-# %% ../../nbs/11_train_sft.ipynb #fa7da4b5
+# %% ../../nbs/11_train_sft.ipynb #7b5d843b
 def window_arrays(examples: list, windows: list, seq_len: int, pad: int) -> dict:
     "The packed windows as numpy arrays [W, seq_len]: input_ids, labels, doc_ids, position_ids."
     W = len(windows)
@@ -292,7 +291,7 @@ def window_arrays(examples: list, windows: list, seq_len: int, pad: int) -> dict
         out["doc_ids"][w, off:] = len(win)
     return out
 
-
+# %% ../../nbs/11_train_sft.ipynb #81e0fa39
 def pack_examples(examples: list, seq_len: int, pad: int) -> dict:
     "Best-fit pack `examples` into windows of `seq_len`."
     return window_arrays(examples, pack_best_fit([e.n_inputs for e in examples], seq_len), seq_len, pad)
