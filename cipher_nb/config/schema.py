@@ -61,7 +61,7 @@ def list_field(*xs):
 def dict_field(**kw):
     return field(default_factory=lambda: dict(kw))
 
-# %% ../../nbs/00a_config_schema.ipynb #88daa2aa
+# %% ../../nbs/00a_config_schema.ipynb #42b629ed
 @dataclass
 class AttentionConfig:
     "Grouped-query or multi-head latent attention with RoPE (and optional YaRN scaling and a sliding window)."
@@ -79,7 +79,7 @@ class AttentionConfig:
     q_lora_rank: int = 0  # mla: width of the query's compression; 0 = a full-rank query projection
     rope_head_dim: int = 16  # mla: the decoupled RoPE part of each query and key head (one shared key head)
 
-
+# %% ../../nbs/00a_config_schema.ipynb #b75e6114
 @dataclass
 class MoEConfig:
     "Routed and shared experts, the router, and the losses and bias that keep the load balanced."
@@ -104,7 +104,7 @@ class MoEConfig:
     shared_inter: int = 512  # shared_projection: width of the shared projection
     expert_rank: int = 16  # shared_projection: rank of each expert's own factors
 
-
+# %% ../../nbs/00a_config_schema.ipynb #f3d5afca
 @dataclass
 class RecurrenceConfig:
     "Recurrent depth (Geiping et al.): a prelude, a core looped `n_loops` times, a coda."
@@ -125,7 +125,7 @@ class RecurrenceConfig:
     def enabled(self) -> bool:
         return self.n_core > 0
 
-
+# %% ../../nbs/00a_config_schema.ipynb #40a21f19
 @dataclass
 class EngramConfig:
     "Engram (DeepSeek): hashed n-gram memory tables read by chosen main layers, gated by the hidden state."
@@ -140,7 +140,7 @@ class EngramConfig:
     def enabled(self) -> bool:
         return len(self.layers) > 0
 
-
+# %% ../../nbs/00a_config_schema.ipynb #a6d0af3c
 @dataclass
 class BoundaryConfig:
     "The byte-level hourglass: byte layers, a boundary predictor, and the loss that holds its rate."

@@ -31,12 +31,14 @@ from cipher_nb.data.documents import (  # noqa: F401 (moved to data.documents; t
     PIECE_BYTES,
     FileSpan,
     doc_hash,
-    doc_size,
     file_cuts,
     file_kind,
     is_heldout,
     iter_pieces,
     resolve_files,
+)
+from cipher_nb.data.documents import (
+    doc_size as doc_size,
 )
 
 # %% ../../nbs/02_data_sources.ipynb #be436911

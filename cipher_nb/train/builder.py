@@ -37,7 +37,6 @@ from cipher_nb.config.load import (
     ScheduleConfig,
     apply_overrides,
     config_from_dict,
-    load_config,
     read_preset,
     runbook_warnings,
     save_config,
