@@ -30,7 +30,7 @@ def special_token(name: str) -> str:
     "How a special is written in decoded text and in a tokenizer's vocabulary."
     return f"<|{name}|>"
 
-
+# %% ../../nbs/02a_data_codecs.ipynb #fdd41116
 def _as_bytes(x) -> bytes:
     if isinstance(x, str):
         return x.encode("utf-8", "surrogatepass")
@@ -38,7 +38,7 @@ def _as_bytes(x) -> bytes:
         return bytes(x)
     raise TypeError(f"encode takes str or bytes, got {type(x).__name__}")
 
-
+# %% ../../nbs/02a_data_codecs.ipynb #6540b8b6
 def _as_ids(ids) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
@@ -241,12 +241,12 @@ def tokenizer_command(config: str = None, overrides=(), out="tokenizer.json") ->
     data = [o for o in overrides if o.startswith(("data.", "model.vocab="))]  # what the tokenizer depends on
     return " ".join(["cipher-tokenizer", *([str(config)] if config else []), *data, "--out", str(out)])
 
-
+# %% ../../nbs/02a_data_codecs.ipynb #83193dcb
 def file_digest(path) -> str:
     "SHA-256 of the file at `path`, hex."
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
-
+# %% ../../nbs/02a_data_codecs.ipynb #794a9149
 @command(pos=["config"])
 def cipher_tokenizer(
     config: str = None,  # a YAML preset: its training documents and model.vocab (default: the built-in config)

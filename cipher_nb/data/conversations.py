@@ -17,7 +17,6 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
-from .codecs import ByteCodec
 from .sources import DataError, stdlib_docs, stdlib_files
 
 # %% ../../nbs/10b_data_conversations.ipynb #3c21d57b
@@ -142,24 +141,24 @@ def load_conversations(source: str, split: str = "train") -> list:
     return out
 
 # %% ../../nbs/10b_data_conversations.ipynb #ff5e3284
-_DEF = re.compile(
-    rb"^(?:async[ \t]+)?def[ \t]+([A-Za-z]\w*)[ \t]*\((?:[^()]|\([^()]*\))*\)[^:\n]*:[ \t]*\n"
-    rb'[ \t]+[rRuU]?("""|\'\'\')(.*?)\2',
-    re.S | re.M,
-)
-
-
 def first_paragraph(doc: str) -> str:
     "The first paragraph of a docstring, on one line."
     return " ".join(re.split(r"\n\s*\n", inspect.cleandoc(doc), maxsplit=1)[0].split())
 
-
+# %% ../../nbs/10b_data_conversations.ipynb #58d2cee6
 def module_name(path: Path, root: Path) -> str | None:
     "The dotted module name of a stdlib file, or None for a private one."
     parts = path.relative_to(root).with_suffix("").parts
     if parts and parts[-1] == "__init__":
         parts = parts[:-1]
     return None if not parts or any(p.startswith("_") for p in parts) else ".".join(parts)
+
+# %% ../../nbs/10b_data_conversations.ipynb #ce8b0b19
+_DEF = re.compile(
+    rb"^(?:async[ \t]+)?def[ \t]+([A-Za-z]\w*)[ \t]*\((?:[^()]|\([^()]*\))*\)[^:\n]*:[ \t]*\n"
+    rb'[ \t]+[rRuU]?("""|\'\'\')(.*?)\2',
+    re.S | re.M,
+)
 
 
 @lru_cache(None)

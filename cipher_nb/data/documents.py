@@ -29,7 +29,7 @@ def doc_hash(data: bytes) -> float:
     h = hashlib.blake2b(data[:PIECE_BYTES], digest_size=8, person=b"cipher-heldout").digest()
     return int.from_bytes(h, "little") / 2**64
 
-
+# %% ../../nbs/01g_data_documents.ipynb #43e26608
 def is_heldout(data: bytes, frac: float) -> bool:
     "Whether a document belongs to the held-out split."
     return doc_hash(data) < frac
@@ -44,7 +44,7 @@ def file_kind(p) -> str:
         return "parquet"
     return "text"
 
-
+# %% ../../nbs/01g_data_documents.ipynb #7775d08d
 def resolve_files(path: str, where: str = "data.path") -> tuple:
     "The sorted files a path, folder or glob names; all of one kind (json, parquet or text)."
     p = Path(path).expanduser()
@@ -72,7 +72,7 @@ class FileSpan:
     start: int
     stop: int
 
-
+# %% ../../nbs/01g_data_documents.ipynb #c7dc620a
 def doc_size(doc) -> int:
     "The length in bytes of a document: bytes, a text file (`Path`) or a `FileSpan`."
     if isinstance(doc, FileSpan):

@@ -73,12 +73,12 @@ def shard_file(root, rec: dict, kind: str) -> Path:
     "The file of shard `rec` holding its ids (`bin`) or its document starts (`idx`)."
     return Path(root).expanduser() / f"{rec['name']}.{kind}"
 
-
+# %% ../../nbs/02ab_data_shards.ipynb #0a20610a
 def shard_sizes(rec: dict, dtype) -> dict:
     "The byte size each file of shard `rec` must have."
     return dict(bin=rec["tokens"] * np.dtype(dtype).itemsize, idx=(rec["docs"] + 1) * 8)
 
-
+# %% ../../nbs/02ab_data_shards.ipynb #3a409518
 def file_sha256(path) -> str:
     "SHA-256 of a file, read a piece at a time."
     h = hashlib.sha256()
@@ -92,7 +92,7 @@ def file_sha256(path) -> str:
 def _hash_of(path: str, size: int, mtime_ns: int) -> str:
     return file_sha256(path)
 
-
+# %% ../../nbs/02ab_data_shards.ipynb #faef8b16
 def open_shard(root, rec: dict, dtype) -> tuple:
     "(ids, starts) of shard `rec`: read-only views of memory maps, nothing read until it is used, nothing copied."
     # plain ndarray views of the maps: slicing a np.memmap subclass costs 3x more per document
@@ -113,7 +113,7 @@ def check_shard(root, rec: dict, dtype) -> str:
             return f"shard file {f} differs from its manifest's SHA-256 (altered)"
     return ""
 
-
+# %% ../../nbs/02ab_data_shards.ipynb #6e3adb8c
 def verify_shards(path, codec: dict) -> dict:
     "The manifest of `path` once its codec equals the run's (`codec`) and every shard matches it; else a `DataError`."
     m = read_manifest(path)

@@ -35,7 +35,7 @@ def _beta_fraction(a: float, b: float, x: float) -> float:
             break
     return h
 
-
+# %% ../../nbs/11c_eval_verdict.ipynb #e1deb6b2
 def beta_inc(a: float, b: float, x: float) -> float:
     "The regularized incomplete beta function I_x(a, b)."
     if x <= 0.0:
@@ -47,13 +47,13 @@ def beta_inc(a: float, b: float, x: float) -> float:
         return front * _beta_fraction(a, b, x) / a
     return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
 
-
+# %% ../../nbs/11c_eval_verdict.ipynb #1354a4f2
 def t_cdf(t: float, df: int) -> float:
     "P(T <= t) for Student's t with `df` degrees of freedom."
     tail = 0.5 * beta_inc(df / 2.0, 0.5, df / (df + t * t))
     return 1.0 - tail if t >= 0 else tail
 
-
+# %% ../../nbs/11c_eval_verdict.ipynb #0e99ad38
 @functools.lru_cache(maxsize=None)
 def t_quantile(p: float, df: int) -> float:
     "The p-quantile of Student's t with `df` degrees of freedom."
@@ -82,7 +82,7 @@ def interval(d, level: float = 0.95) -> tuple:
     half = t_quantile(1.0 - (1.0 - level) / 2.0, n - 1) * d.std(-1, ddof=1) / math.sqrt(n)
     return mean, mean - half, mean + half
 
-
+# %% ../../nbs/11c_eval_verdict.ipynb #a938c823
 def decide(low, high, lower_is_better: bool = True):
     "+1 where the interval on A - B says A is better, -1 where B is, 0 where it holds zero."
     a_side, b_side = (np.asarray(high) < 0, np.asarray(low) > 0)
@@ -100,14 +100,14 @@ def paired_differences(a, b) -> np.ndarray:
         raise ValueError("a paired figure is missing or not finite (a diverged or unfinished run?)")
     return a - b
 
-
+# %% ../../nbs/11c_eval_verdict.ipynb #b85f68d6
 def verdict_words(side: int, n: int, names=("A", "B")) -> str:
     "The verdict of `decide` in words."
     if side:
         return f"{names[0] if side > 0 else names[1]} better"
     return f"cannot tell at this budget with {n} seed{'s' if n != 1 else ''}"
 
-
+# %% ../../nbs/11c_eval_verdict.ipynb #57536716
 def paired_verdict(a, b, names=("A", "B"), level: float = 0.95, lower_is_better: bool = True) -> dict:
     "The paired difference of A and B over seeds (same seed, same data order), its t interval and the verdict."
     d = paired_differences(a, b)
@@ -133,7 +133,7 @@ def look_level(level: float, min_seeds: int, max_seeds: int) -> float:
         raise ValueError(f"sequential looks need 2 <= min_seeds <= max_seeds, got {min_seeds} and {max_seeds}")
     return 1.0 - (1.0 - level) / (max_seeds - min_seeds + 1)
 
-
+# %% ../../nbs/11c_eval_verdict.ipynb #9b6e8bc1
 def sequential_verdict(
     a, b, max_seeds: int, names=("A", "B"), level: float = 0.95, lower_is_better: bool = True, min_seeds: int = 2
 ) -> dict:

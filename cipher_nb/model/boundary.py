@@ -44,7 +44,7 @@ def logistic_noise(like: torch.Tensor) -> torch.Tensor:
     u = torch.rand_like(like).clamp(eps, 1 - eps)
     return torch.log(u) - torch.log1p(-u)
 
-
+# %% ../../nbs/04_model_boundary.ipynb #e9265ebe
 def straight_through(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
     "The value of `hard` with the gradient of `soft` (exact: the added bracket is zero)."
     return hard + (soft - soft.detach())

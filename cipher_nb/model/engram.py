@@ -16,14 +16,14 @@ import torch.nn as nn
 from ..config.load import ModelConfig
 
 # %% ../../nbs/05e_model_engram.ipynb #62d8ed90
-PAD_ID = -1  # the id an n-gram reads before its sequence or its document starts
-
-
 def _shift(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     "`x` [B, T] moved k positions later along T, the first k filled with `fill`."
     B, T = x.shape
     k = min(k, T)
     return torch.cat([x.new_full((B, k), fill), x[:, : T - k]], 1)
+
+# %% ../../nbs/05e_model_engram.ipynb #ea4215f1
+PAD_ID = -1  # the id an n-gram reads before its sequence or its document starts
 
 
 def ngram_windows(ids: torch.Tensor, n: int, doc_ids: torch.Tensor = None) -> torch.Tensor:
@@ -49,7 +49,7 @@ def _splitmix64(seed: int):
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         yield z ^ (z >> 31)
 
-
+# %% ../../nbs/05e_model_engram.ipynb #591c8cea
 def hash_multipliers(seed: int, max_ngram: int, n_heads: int) -> torch.Tensor:
     "Odd multipliers [max_ngram - 1, n_heads, max_ngram] (order 2.., head, position back), under 2^30."
     g, shape = _splitmix64(seed), (max_ngram - 1, n_heads, max_ngram)
@@ -137,7 +137,7 @@ def segment_ends(seg_ids: torch.Tensor, n_segments: int) -> torch.Tensor:
     pos = torch.arange(T, device=seg_ids.device).expand(B, T)
     return seg_ids.new_zeros(B, n_segments).scatter_reduce_(1, seg_ids, pos, "amax")
 
-
+# %% ../../nbs/05e_model_engram.ipynb #2c4ec4a8
 def windows_at(windows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     "The n-gram windows [B, S, n] of `windows` [B, T, n] at positions `at` [B, S]."
     return windows.gather(1, at[..., None].expand(-1, -1, windows.shape[-1]))

@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config.load import ModelConfig, model_config
-from ..config.sizing import flops_per_token, param_counts
+from ..config.load import ModelConfig
 from .attention import ATTN_KERNELS as ATTN_KERNELS  # re-exported for older imports
 from cipher_nb.model.attention import (
     KVCache,
@@ -95,7 +94,7 @@ class _FusedLinearCE(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         return gh * grad, gw * grad, None, None
 
-
+# %% ../../nbs/06_model_lm.ipynb #30c6bb8c
 def fused_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     "Mean cross-entropy of `h @ weight.T` against `labels` (-100 ignored), holding at most `chunk` rows of logits."
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
@@ -127,7 +126,7 @@ def renamed(name: str) -> str:
     old = next((o for o in MOVED if name.startswith(o)), None)
     return name if old is None else MOVED[old] + name[len(old) :]
 
-
+# %% ../../nbs/06_model_lm.ipynb #d201c1d5
 def _load_old_names(model, state_dict, prefix, *args):
     "Load-state-dict pre-hook: rename the old keys of `state_dict` in place."
     for key in [k for k in state_dict if k.startswith(prefix)]:

@@ -49,7 +49,7 @@ def plain_role(module: nn.Module, p: nn.Parameter) -> str:
         return "embedding"
     return "norm" if p.ndim < 2 else "hidden"
 
-
+# %% ../../nbs/06a_model_roles.ipynb #4a8d52a3
 def param_roles(model: nn.Module) -> dict:
     "The role of every parameter of `model` (trainable or not), by name in `named_parameters` order."
     out = {}
@@ -74,7 +74,7 @@ def params_with_role(model: nn.Module, role: str) -> list:
     named = dict(model.named_parameters())
     return [named[n] for n, r in param_roles(model).items() if r == role]
 
-
+# %% ../../nbs/06a_model_roles.ipynb #b22bf1e8
 def clip_groups(model: nn.Module, limits: dict) -> dict:
     "The parameters of each role in `limits` (`optim.clip_groups`: role -> gradient-norm clip), by role."
     return {role: params_with_role(model, role) for role in limits}

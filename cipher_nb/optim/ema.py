@@ -29,7 +29,7 @@ def averaged_params(model: nn.Module) -> dict:
             m.reshard()  # every parameter registered as its shard again, the tensors the average is sharded like
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
-
+# %% ../../nbs/08d_optim_ema.ipynb #bfd28d24
 def average_bytes(model: nn.Module) -> int:
     "Bytes of one fp32 copy of the trained parameters on this rank (its shards under FSDP2)."
     local = (getattr(p, "to_local", lambda p=p: p)() for p in averaged_params(model).values())
@@ -97,7 +97,7 @@ def weight_average(model: nn.Module, optim: OptimConfig) -> WeightAverage | None
     "The run's `WeightAverage` when `optim.ema` > 0, else None."
     return WeightAverage(model, optim.ema) if optim.ema > 0 else None
 
-
+# %% ../../nbs/08d_optim_ema.ipynb #6a959a21
 def averaged_eval(eval_fn, average: WeightAverage | None):
     "`eval_fn(trainer)` run on the averaged weights (`eval_fn` itself without an average)."
     if average is None or eval_fn is None:

@@ -33,12 +33,12 @@ def weight_decay(role: str, ndim: int, optim: OptimConfig) -> float:
     decay = optim.decay_all or (ndim >= 2 and role not in NO_DECAY)
     return optim.weight_decay if decay else 0.0
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #d994b22e
 def lr_multiplier(role: str, lr_mult: dict) -> float:
     "The multiplier `lr_mult` (`optim.lr_mult`) gives the parameter role `role`, 1 when it names none."
     return float(lr_mult.get(role, 1.0))
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #1ba0b5ad
 def param_groups(model: nn.Module, optim: OptimConfig, lr: float, exclude: tuple = ()) -> list:
     "AdamW groups, one per (weight decay, lr multiplier), with `lr_mult` and `names`; `lr`: the peak (`schedule.lr`)."
     roles, groups = param_roles(model), {}
@@ -52,9 +52,6 @@ def param_groups(model: nn.Module, optim: OptimConfig, lr: float, exclude: tuple
     return list(groups.values())
 
 # %% ../../nbs/08a_optim_optimizers.ipynb #18ef74e9
-OPTIMIZERS = get_args(OptimName)
-
-
 def adamw(groups: list, optim: OptimConfig, lr: float) -> torch.optim.AdamW:
     "torch AdamW over `groups` at peak rate `lr`: fused when every parameter is on one CPU or CUDA device type."
     params = [p for g in groups for p in g["params"]]
@@ -63,7 +60,7 @@ def adamw(groups: list, optim: OptimConfig, lr: float) -> torch.optim.AdamW:
     kw = dict(lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
     return torch.optim.AdamW(groups, fused=True if fused else None, **kw)
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #13faec01
 def adamw8bit(groups: list, optim: OptimConfig, lr: float):
     "8-bit AdamW over `groups`: torchao's for DTensor (FSDP2) parameters, else bitsandbytes' (torchao's without it)."
     from torch.distributed.tensor import DTensor
@@ -88,6 +85,9 @@ def adamw8bit(groups: list, optim: OptimConfig, lr: float):
             ) from None
     return AdamW8bit(groups, **kw)
 
+# %% ../../nbs/08a_optim_optimizers.ipynb #bd1392ee
+OPTIMIZERS = get_args(OptimName)
+
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float):
     "AdamW (`optim.name='adamw'`), 8-bit AdamW (`'adamw8bit'`) or `MuonAdamW` (`'muon'`); `lr`: `schedule.lr`."
@@ -98,7 +98,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float):
     groups = param_groups(model, optim, lr)
     return adamw8bit(groups, optim, lr) if optim.name == "adamw8bit" else adamw(groups, optim, lr)
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #232a02ef
 def optimizer_kind(opt) -> str:
     "'adamw8bit' (bitsandbytes), 'adamw8bit-torchao', 'adamw' (torch), 'muon' (`MuonAdamW`), else the class name."
     name, module = type(opt).__name__, type(opt).__module__
@@ -133,7 +133,7 @@ def ns_dtype(device: torch.device) -> torch.dtype:
     "The dtype Newton-Schulz runs in: bfloat16 on a GPU (as torch's Muon), float32 on a CPU (most emulate bfloat16)."
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #9140836e
 def newton_schulz(g: torch.Tensor, steps: int = 5, abc: tuple = (3.4445, -4.7750, 2.0315), eps: float = 1e-7):
     "Muon's quintic Newton-Schulz on a matrix, or on every matrix of `g` [experts, rows, cols] at once."
     if g.dim() == 2:
@@ -147,7 +147,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, abc: tuple = (3.4445, -4.7750
         x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)  # torch's addmm, batched
     return x.mT if tall else x
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #c5f22ef4
 class ExpertMuon(torch.optim.Optimizer):
     "Muon for matrices `[out, in]` or stacked `[experts, out, in]` weights, each matrix orthogonalized on its own."
 
@@ -255,18 +255,18 @@ def build_muon(model: nn.Module, optim: OptimConfig, lr: float, experts: bool | 
 class OptimizerResetWarning(UserWarning):
     "The saved optimizer state could not be used and the optimizer starts afresh."
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #8b97dfbe
 def optimizer_state(opt) -> dict:
     "The optimizer's state dict with its kind, for a checkpoint (loads with `torch.load(weights_only=True)`)."
     return dict(kind=optimizer_kind(opt), state=opt.state_dict())
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #623066c4
 def is_torchao_state(t) -> bool:
     "Whether `t` (or a DTensor's shard) is a torchao low-bit optimizer state (`OptimState8bit` and kin)."
     local = getattr(t, "_local_tensor", t)
     return isinstance(local, torch.Tensor) and type(local).__module__.startswith("torchao.optim")
 
-
+# %% ../../nbs/08a_optim_optimizers.ipynb #b192d12d
 def _state_kind(sd: dict):
     "The optimizer kind a bare state dict came from, or None when it holds no state yet."
     states = list(sd.get("state", {}).values())

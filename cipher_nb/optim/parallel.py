@@ -12,7 +12,6 @@ __all__ = ['BLOCK_LISTS', 'aten', 'SAVED_OPS', 'AC_MODES', 'model_blocks', 'save
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -22,14 +21,14 @@ from ..model.lm import attention_kernels_used
 from ..model.moe import moe_kernels_used
 
 # %% ../../nbs/08b_optim_parallel.ipynb #78278a22
-BLOCK_LISTS = ("hourglass.byte_in", "layers", "hourglass.byte_out")  # the ModuleLists of `Block`s, in forward order
-
-
 def _at(model: nn.Module, path: str):
     "What dotted `path` names under `model`, or None where a part of it is missing."
     for part in path.split("."):
         model = getattr(model, part, None)
     return model
+
+# %% ../../nbs/08b_optim_parallel.ipynb #f33ed74c
+BLOCK_LISTS = ("hourglass.byte_in", "layers", "hourglass.byte_out")  # the ModuleLists of `Block`s, in forward order
 
 
 def model_blocks(model: nn.Module) -> list:
@@ -55,7 +54,7 @@ def _op(name: str):
     packet, overload = name.split(".")
     return getattr(getattr(aten, packet, None), overload, None)
 
-
+# %% ../../nbs/08b_optim_parallel.ipynb #8f156ddf
 SAVED_OPS = frozenset(op for op in map(_op, _EXPENSIVE) if op is not None)  # outputs selective checkpointing keeps
 
 
@@ -103,7 +102,7 @@ def compile_count() -> int:
     # around the checkpoint operator, and that path leaves unique_graphs unchanged
     return int(counters["frames"]["ok"])
 
-
+# %% ../../nbs/08b_optim_parallel.ipynb #c135443b
 def apply_compile(model: nn.Module) -> list:
     "Compile each block of `model` in place (`block.compile`); return the compiled blocks' names."
     variable = getattr(getattr(model, "cfg", None), "boundary", None)  # segment lengths vary with the text
@@ -123,7 +122,7 @@ def fsdp_policy(dtype: torch.dtype):
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
-
+# %% ../../nbs/08b_optim_parallel.ipynb #b7b4c06f
 def apply_fsdp(model: nn.Module, dtype: torch.dtype = torch.float32, mesh=None, offload: bool = False) -> nn.Module:
     "`fully_shard` each block (all but the last to run reshard after forward), then the root; optionally CPU-offloaded."
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -136,7 +135,7 @@ def apply_fsdp(model: nn.Module, dtype: torch.dtype = torch.float32, mesh=None, 
         fully_shard(blk, reshard_after_forward=i < len(blocks) - 1, **kw)
     return fully_shard(model, **kw)
 
-
+# %% ../../nbs/08b_optim_parallel.ipynb #1b86d1da
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     "Replicate `model` with DDP (one device per process)."
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -11,7 +11,6 @@ __all__ = ['RESEED_RULE', 'host_subclass', 'host_copy', 'checkpoint_group', 'Sta
 
 # %% ../../nbs/09a_persist_checkpointer.ipynb #4be0bee2
 import hashlib
-import io
 import shutil
 import threading
 import time
@@ -28,7 +27,6 @@ from cipher_nb.persist.files import (
     EXPORT_WEIGHTS,
     FORMAT,
     SHARDED,
-    STATE,
     CheckpointError,
     CheckpointWarning,
     ResumeError,
@@ -286,7 +284,7 @@ def is_sharded(model: nn.Module) -> bool:
 
     return any(isinstance(p, DTensor) for p in model.parameters())
 
-
+# %% ../../nbs/09a_persist_checkpointer.ipynb #f6f25318
 def gather_ranks(obj) -> list:
     "`[obj of rank 0, obj of rank 1, ...]` in a distributed run, `[obj]` otherwise (every rank gets the list)."
     import torch.distributed as dist
@@ -297,7 +295,7 @@ def gather_ranks(obj) -> list:
     dist.all_gather_object(out, obj)
     return out
 
-
+# %% ../../nbs/09a_persist_checkpointer.ipynb #30ef2cec
 def _state_dicts(model, optimizer, dcp_api: bool = False):
     "Plain state dicts, or under FSDP2 (or `dcp_api`) those of DCP's `state_dict` API (optimizer keyed by name)."
     if not (dcp_api or is_sharded(model)):
@@ -308,7 +306,7 @@ def _state_dicts(model, optimizer, dcp_api: bool = False):
         return get_model_state_dict(model), None
     return get_state_dict(model, optimizer)
 
-
+# %% ../../nbs/09a_persist_checkpointer.ipynb #2eecbd9f
 def training_state(
     model: nn.Module, optimizer=None, scheduler=None, *, step: int, tokens: int = 0, data_state=None, **extra
 ) -> dict:
@@ -325,7 +323,7 @@ def training_state(
         **extra,
     )
 
-
+# %% ../../nbs/09a_persist_checkpointer.ipynb #ba647e34
 def checkpoint_meta(
     cfg: Config,
     *,
@@ -367,7 +365,7 @@ def _set_model(model, sd, path, strict=True, dcp_api=False):
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"{path}: its weights do not fit this model: {first_sentence(e)}") from None
 
-
+# %% ../../nbs/09a_persist_checkpointer.ipynb #b89190c7
 def restore_training_state(
     path, model: nn.Module, optimizer=None, scheduler=None, restore_rng: bool = True, seed: int | None = None
 ) -> dict:
@@ -420,7 +418,7 @@ def restore_training_state(
         set_rng_state(state["rng"][rank])
     return dict(step=state["step"], tokens=state["tokens"], data=data, meta=meta, elastic=elastic)
 
-
+# %% ../../nbs/09a_persist_checkpointer.ipynb #4b6594b6
 def load_weights(path, model: nn.Module, strict: bool = True) -> dict:
     "Weights-only start (`--init`): load the model's tensors from a checkpoint or an export; return its meta."
     path = Path(path)
@@ -447,7 +445,7 @@ def rank_seed(seed: int, rank: int, step: int) -> int:
     "The seed of `rank` resumed at `step` on another world size (`RESEED_RULE`): 64 bits of a hash of the three."
     return int.from_bytes(hashlib.sha256(f"{seed}:{rank}:{step}".encode()).digest()[:8], "little")
 
-
+# %% ../../nbs/09a_persist_checkpointer.ipynb #5a4950d1
 def global_data_state(states: list, path) -> dict:
     "The one data state of a checkpoint resumed on another world size: every rank's, refused unless they agree."
     if any(s != states[0] for s in states[1:]):

@@ -119,7 +119,7 @@ def split_tensors(tree, key: str = ""):
 
     return walk(tree, key), flat
 
-
+# %% ../../nbs/09_persist_files.ipynb #80918314
 def merge_tensors(skeleton, flat: dict):
     "Put the tensors of `flat` back into the placeholders of `skeleton`."
     if isinstance(skeleton, dict):
@@ -164,7 +164,7 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
             )
         return obj
 
-
+# %% ../../nbs/09_persist_files.ipynb #f77c4ece
 def _dcp_metadata(path):
     "DCP's `.metadata` of the checkpoint at `path`, unpickled with the allowlist."
     f = Path(path) / ".metadata"
@@ -175,7 +175,7 @@ def _dcp_metadata(path):
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{f}: damaged or missing: {first_sentence(e)}; use an earlier checkpoint") from None
 
-
+# %% ../../nbs/09_persist_files.ipynb #143b9d8f
 def _dcp_reader(path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -203,7 +203,7 @@ def _dcp_planner():
 
     return TensorsOnly()
 
-
+# %% ../../nbs/09_persist_files.ipynb #18c41e9d
 def dcp_save(flat: dict, path):
     "Write a flat dict of (possibly sharded) tensors with `torch.distributed.checkpoint`; every rank calls it."
     import torch.distributed.checkpoint as dcp
@@ -212,7 +212,7 @@ def dcp_save(flat: dict, path):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True))
 
-
+# %% ../../nbs/09_persist_files.ipynb #e0e9986f
 def dcp_load(flat: dict, path):
     "Read tensors saved by `dcp_save` in place into `flat` (same keys; shapes and shardings of this run)."
     import torch.distributed.checkpoint as dcp
@@ -252,7 +252,7 @@ def _barrier():
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
-
+# %% ../../nbs/09_persist_files.ipynb #3adfcbba
 def has_dtensor(tree) -> bool:
     "Whether a nested dict / list holds a `DTensor` (an FSDP2 shard)."
     from torch.distributed.tensor import DTensor
@@ -265,7 +265,7 @@ def has_dtensor(tree) -> bool:
         return any(has_dtensor(v) for v in tree)
     return False
 
-
+# %% ../../nbs/09_persist_files.ipynb #6b16b4b2
 def install_dir(tmp: Path, path: Path):
     "Rename the finished temporary directory to `path`, moving an older `path` aside until the new one is in place."
     old = path.with_name(f".old-{path.name}")
@@ -282,7 +282,7 @@ def install_dir(tmp: Path, path: Path):
     fsync_dir(path.parent)
     return old
 
-
+# %% ../../nbs/09_persist_files.ipynb #bb860ef4
 def install_marked(tmp: Path, path: Path, sums: dict | None = None, fault: bool = False, **info) -> Path:
     "Install `tmp` as `path`, then mark it; if either fails, `tmp` is gone and the previous `path` is back as it was."
     try:
@@ -303,7 +303,7 @@ def install_marked(tmp: Path, path: Path, sums: dict | None = None, fault: bool 
         shutil.rmtree(old)
     return path
 
-
+# %% ../../nbs/09_persist_files.ipynb #84e6e4a5
 def _write_state(file: Path, state: dict) -> str:
     "Write `state` with `torch.save`, flushed to disk; return the SHA-256 of the bytes as they were written."
     with open(file, "wb") as f:
@@ -318,7 +318,7 @@ def _write_state(file: Path, state: dict) -> str:
         os.fsync(f.fileno())
     return w.hexdigest()
 
-
+# %% ../../nbs/09_persist_files.ipynb #de1629e4
 def fresh_tmp_dir(path: Path) -> Path:
     "The empty temporary directory beside `path` that a checkpoint is written into (call on rank 0)."
     tmp = path.with_name(f".tmp-{path.name}")
@@ -328,7 +328,7 @@ def fresh_tmp_dir(path: Path) -> Path:
     tmp.mkdir()
     return tmp
 
-
+# %% ../../nbs/09_persist_files.ipynb #7dd1e5dd
 def commit_checkpoint(tmp: Path, path: Path, state: dict, meta: dict | None):
     "Rank 0: write the state and meta into `tmp`, flush, install it as `path` and mark it; a failure leaves no `tmp`."
     try:
@@ -384,7 +384,7 @@ def read_meta(path) -> dict:
         raise CheckpointError(f"{path / META}: unreadable ({first_sentence(e)}); use an earlier checkpoint") from None
     return {**meta, "path": str(path)}
 
-
+# %% ../../nbs/09_persist_files.ipynb #6788d6c4
 def load_checkpoint(path, template: dict | None = None, keys=None, mmap: bool = False) -> dict:
     "Load a complete checkpoint safely; sharded entries are read into `template`; `keys` picks entries."
     path = Path(path)

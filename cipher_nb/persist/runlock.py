@@ -28,12 +28,12 @@ def lock_path(run_dir) -> Path:
 class RunLocked(ConfigError):
     "Another live process writes this run directory."
 
-
+# %% ../../nbs/01e_persist_runlock.ipynb #7fd4daac
 def holder_info() -> dict:
     "What a lock's holder writes into the lock file: this process, its host, the time and its command line."
     return dict(pid=os.getpid(), host=socket.gethostname(), since=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv)
 
-
+# %% ../../nbs/01e_persist_runlock.ipynb #e82c8c18
 def read_holder(path) -> dict:
     "The holder a lock file names, or {} when it is empty, missing or unreadable."
     try:
@@ -41,7 +41,7 @@ def read_holder(path) -> dict:
     except (OSError, ValueError):
         return {}
 
-
+# %% ../../nbs/01e_persist_runlock.ipynb #1cb773d5
 def describe(holder: dict) -> str:
     "A holder in words: process, host, since when."
     if not holder:
@@ -119,7 +119,7 @@ class RunLock:
     def __exit__(self, *exc):
         self.release()
 
-
+# %% ../../nbs/01e_persist_runlock.ipynb #3f321de8
 def run_lock(run_dir, wait: bool = False) -> RunLock:
     "Take the one-writer lock of `run_dir` (see `RunLock`); release it with `.release()` or use it in a `with`."
     return RunLock(run_dir, wait).acquire()

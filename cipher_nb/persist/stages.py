@@ -40,7 +40,7 @@ def _config_of(meta: dict) -> Config:
             f"{meta.get('path', 'checkpoint')}: its stored config cannot be read by this version ({e})"
         ) from None
 
-
+# %% ../../nbs/09b_persist_stages.ipynb #40a4858b
 LAYOUT_KEYS = ("training.batch_size", "training.grad_accum")  # how a global batch is cut into micro-batches
 
 
@@ -48,7 +48,7 @@ def global_rows(t, world_size: int) -> int:
     "Windows in one optimizer step over every rank: ranks x micro-batch x accumulation."
     return world_size * t.batch_size * t.grad_accum
 
-
+# %% ../../nbs/09b_persist_stages.ipynb #d4a7c6f1
 def check_layout(meta: dict, saved: Config, cfg: Config, world_size: int) -> bool:
     "Whether the resume cuts the same global batch anew (replay plan); refuse, in one line, a world change it cannot."
     was, where = meta.get("world_size"), meta.get("path", "the checkpoint")
@@ -156,7 +156,7 @@ def check_data_identity(source_fp: str, fingerprint: str, path=""):
             "documents); equal token counts are not enough"
         )
 
-
+# %% ../../nbs/09b_persist_stages.ipynb #0c347566
 def check_pinned(data: DataConfig, allow_unpinned: bool = False, meta: dict | None = None, path=""):
     "Refinement from a hub source without a commit revision is refused unless `stage.allow_unpinned` is set."
     datas = [data] + ([_config_of(meta).data] if meta and "config" in meta else [])  # this run's and its source's
@@ -169,7 +169,7 @@ def check_pinned(data: DataConfig, allow_unpinned: bool = False, meta: dict | No
             + "\nPin the revision pretraining read, or set stage.allow_unpinned=true to accept that risk"
         )
 
-
+# %% ../../nbs/09b_persist_stages.ipynb #b607d8d5
 def check_init_source(
     path, stage: StageConfig, data: DataConfig, data_fingerprint: str = "", lora_rank: int = 0
 ) -> dict:

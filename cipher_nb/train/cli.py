@@ -24,11 +24,7 @@ import torch.distributed as dist
 
 import cipher_nb.persist.files as ck
 from ..cli import EXIT_FAILED, EXIT_OOM, EXIT_USAGE, command
-from cipher_nb.config.load import (
-    Config,
-    ConfigError,
-    load_config,
-)
+from ..config.load import Config, ConfigError
 from ..config.sizing import dense_width_lines
 from ..core import dist_env, resolve_device
 from ..data.codecs import tokenizer_command
@@ -52,7 +48,7 @@ def one_line_warning(message, category, filename, lineno, line=None) -> str:
     "A warning as one line: its category and message, without the source line Python would add."
     return f"{category.__name__}: {message}\n"
 
-
+# %% ../../nbs/11b_train_cli.ipynb #637fcc9a
 def exit_with(code: int, message: str):
     "Print `cipher-train: message` on stderr and leave with `code`."
     print(f"cipher-train: {message}", file=sys.stderr)
@@ -65,13 +61,13 @@ def is_out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
     )
 
-
+# %% ../../nbs/11b_train_cli.ipynb #77267506
 def smaller_batch(batch_size: int, grad_accum: int):
     "The next smaller micro-batch that divides `batch_size`, and the accumulation that keeps the tokens per step."
     smaller = max((d for d in range(1, batch_size) if batch_size % d == 0), default=None)
     return (smaller, grad_accum * batch_size // smaller) if smaller else None
 
-
+# %% ../../nbs/11b_train_cli.ipynb #bd1b8505
 def oom_advice(cfg: Config, device, step=None, peak_gb: float = None) -> str:
     "What an out-of-memory stop prints: where, the measured peak, the batch, and the fixes in the order to try them."
     t = cfg.training
@@ -104,7 +100,7 @@ def is_disk_full(e: BaseException) -> bool:
     "Whether `e` is a write that found no space left (or the user's quota spent)."
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
-
+# %% ../../nbs/11b_train_cli.ipynb #3b528341
 def disk_full_advice(run_dir: Path, e: OSError) -> str:
     "The one line of a full disk: what failed, the checkpoint that is intact, and how to continue."
     intact = ck.latest_checkpoint(run_dir)
@@ -159,7 +155,7 @@ def claim_for_writing(run_dir: Path, resume: str = None, overwrite: bool = False
         raise
     return lock
 
-
+# %% ../../nbs/11b_train_cli.ipynb #3f49650f
 def failure(e: Exception, cfg: Config, trainer: Trainer, run_dir: Path):
     "The exit code and one line of an error that is not a bug, or None (then the traceback is the report)."
     if is_out_of_memory(e):
@@ -175,7 +171,7 @@ def failure(e: Exception, cfg: Config, trainer: Trainer, run_dir: Path):
         return EXIT_FAILED, f"{e} (stopped at step {trainer.step}; resume with --out {run_dir} --resume auto)"
     return None
 
-
+# %% ../../nbs/11b_train_cli.ipynb #72623721
 def stopped_before_start(e: StopRequested, run_dir: Path, removed: bool) -> str:
     "What a run stopped before its first step says: nothing saved, and where it stands."
     if removed:

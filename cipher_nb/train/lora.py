@@ -71,7 +71,7 @@ def inject_lora(
         setattr(model.get_submodule(parent) if parent else model, attr, LoRALinear(linears[n], rank, alpha, dropout))
     return chosen
 
-
+# %% ../../nbs/10a_train_lora.ipynb #21d0cf3f
 def has_lora(model: nn.Module) -> bool:
     "Whether `model` holds any `LoRALinear` layer."
     return any(isinstance(m, LoRALinear) for m in model.modules())
@@ -96,7 +96,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         p.requires_grad_(True)
     return out
 
-
+# %% ../../nbs/10a_train_lora.ipynb #6994fd1d
 def merge_lora_state(sd: dict, scale: float) -> dict:
     "A full state dict with each `X.lora_A` / `X.lora_B` pair folded into `X.weight` and removed."
     out = {k: v for k, v in sd.items() if not k.endswith((".lora_A", ".lora_B"))}
@@ -113,7 +113,7 @@ def run_mode(sft: SFTConfig) -> str:
     "`lora` when the SFT section trains adapters (`sft.lora_rank > 0`), else `full`."
     return "lora" if sft.lora_rank else "full"
 
-
+# %% ../../nbs/10a_train_lora.ipynb #7d70a533
 def check_mode(meta: dict, sft: SFTConfig):
     "Refuse to resume LoRA state in a full-parameter run, or full-parameter state in a LoRA run."
     saved, now = meta.get("mode", "full"), run_mode(sft)

@@ -21,7 +21,7 @@ from ..optim.optimizers import lr_at
 BUDGET_WARM_STEPS, BUDGET_CALIBRATION_STEPS = 2, 5  # steps left out of the cost, then steps timed before a plan
 UNCAPPED = 10**9  # the cap of a time budget without schedule.max_steps: the plan alone is the horizon
 
-
+# %% ../../nbs/09f_train_schedule.ipynb #6869bfaa
 class Schedule:
     "The plan of a run: its optimizer steps, its warmup and the learning rate at a step; a time budget re-plans them."
 

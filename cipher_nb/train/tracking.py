@@ -30,14 +30,14 @@ def read_tracking(run_dir) -> dict:
     path = Path(run_dir) / TRACKING_FILE
     return json.loads(path.read_text()) if path.exists() else {}
 
-
+# %% ../../nbs/10c_train_tracking.ipynb #79d873f9
 def note_tracking(run_dir, tracker: str, info: dict) -> dict:
     "Put `info` under `tracker` in RUN/tracking.json, atomically; return the whole file."
     out = {**read_tracking(run_dir), tracker: dict(info)}
     write_json_atomic(Path(run_dir) / TRACKING_FILE, out)
     return out
 
-
+# %% ../../nbs/10c_train_tracking.ipynb #7b37b937
 def note_in_record(trainer, tracker: str, info: dict):
     "Put `info` in the trainer's run record under `tracking` (saved with its next evaluation and at the end)."
     record = getattr(trainer, "record", None)
@@ -163,7 +163,7 @@ def item_key(item) -> str:
     "The metric or config key of a W&B record item (`key`, or its `nested_key` path joined by dots)."
     return item.key or ".".join(item.nested_key)
 
-
+# %% ../../nbs/10c_train_tracking.ipynb #a6341151
 def wandb_offline_runs(run_dir) -> list:
     "Each W&B run logged offline under RUN/wandb, oldest first: id, start time, config, history rows, finished."
     out = []
@@ -186,7 +186,7 @@ def wandb_offline_runs(run_dir) -> list:
         out.append(run)
     return sorted(out, key=lambda run: run["started"])
 
-
+# %% ../../nbs/10c_train_tracking.ipynb #697baaeb
 def finished_wandb_runs(run_dir, n: int, timeout: float = 30.0) -> list:
     "`wandb_offline_runs` once `n` runs are there and finished, or whatever is there after `timeout` seconds."
     deadline = time.monotonic() + timeout

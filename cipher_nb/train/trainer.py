@@ -36,7 +36,7 @@ from .schedule import Schedule
 class StopRequested(KeyboardInterrupt):
     "A stop signal before the first step of this process: nothing new to save, so the run stops at once."
 
-
+# %% ../../nbs/10_train_trainer.ipynb #79ab53cf
 class StopFlag:
     "SIGTERM / SIGINT: at once before the first step, a flag read between steps after it; a save always finishes."
 
@@ -104,7 +104,7 @@ def add_stats(sums: dict, stats: dict):
             s[0] += v
             s[1] += 1
 
-
+# %% ../../nbs/10_train_trainer.ipynb #a473a4d4
 def mean_stats(parts) -> dict:
     "The mean of each stat over the micro-batches of several `add_stats` sums."
     total = {}

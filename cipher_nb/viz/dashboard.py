@@ -64,7 +64,7 @@ def panel_chars(ax, fontsize: float) -> int:
     inches = ax.figure.get_figwidth() * len(ss.colspan) / ss.get_gridspec().ncols
     return max(20, int(0.9 * inches * 72 / (0.55 * fontsize)))  # a sans-serif character is about 0.55 em wide
 
-
+# %% ../../nbs/13a_viz_dashboard.ipynb #4803d87a
 def plot_warnings(threats, ax, n: int = 4, width: int = None, fontsize: float = 9):
     "The last `n` health warnings, wrapped between words to the panel's width (`threats=None`: not recorded)."
     ax.set_title("warnings" if threats is None else f"warnings ({len(threats)})")
