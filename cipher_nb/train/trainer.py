@@ -159,7 +159,7 @@ def paused(bar):
 class NonFiniteError(RuntimeError):
     "Too many non-finite steps in a row: the run stops and the last good checkpoint is kept."
 
-
+# %% ../../nbs/10_train_trainer.ipynb #999c136f
 class Trainer:
     "Optimizer-step training loop; `fit` calls the components given here, and the callbacks, in the order it reads."
 
