@@ -21,7 +21,7 @@ SETTINGS=("$@" "schedule.max_steps=$STEPS" "schedule.warmup_steps=$((STEPS / 4))
 TORCHRUN=(torchrun --standalone --nproc_per_node="$NPROC" --no-python cipher-train "$CONFIG" "${SETTINGS[@]}" --quiet)
 expect() {   # expect WHAT PYTHON-CONDITION: fail the smoke run with WHAT when the condition is false
   [ -n "${DRY_RUN:-}" ] && return 0
-  "$PY" -c "import sys; from pathlib import Path; from cipher_nb.persist.files import *; sys.exit(0 if ($2) else 1)" \
+  "$PY" -c "import sys; from pathlib import Path; from cipher_nb.persist.files import *; from cipher_nb.persist.marker import *; sys.exit(0 if ($2) else 1)" \
     || { echo "smoke FAIL: $1" >&2; exit 1; }
   echo "ok: $1"
 }

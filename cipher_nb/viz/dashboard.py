@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from ..callbacks import Callback
 from ..config.load import ModelConfig, MonitorConfig
 from ..eval.experiments import is_number
+from ..monitor.health import Threat
 from cipher_nb.viz.plots import (
     LOAD_KEY,
     PngFigure,
@@ -152,11 +153,12 @@ class LiveDashboard(Callback):
         self._last, self._cost, self._drawn = None, 0.0, -1  # last redraw: when, how long it took, rows it showed
 
     def warnings(self, trainer) -> list:
-        "The health warnings of the trainer's monitor (and of any other callback that keeps some), in order."
+        "The health warnings (`Threat`s) of the trainer's monitor and of any other callback that keeps some, in order."
         sources = [getattr(trainer, "monitor", None), *getattr(trainer, "callbacks", ())]
-        return [
+        found = [
             w for src in sources if src is not None and src is not self for w in (getattr(src, "warnings", None) or [])
         ]
+        return [w for w in found if isinstance(w, Threat)]  # the run record's `warnings` are config notes, not threats
 
     def eta(self, trainer):
         "Seconds left at the pace between the last two log rows (None until there are two)."
