@@ -96,7 +96,7 @@ class MoEConfig:
     bias_gamma: float = 1e-3  # DeepSeek-V3's rate: the bias moves this much per optimizer step
     bias_boost_steps: int = 0  # the first optimizer steps at BIAS_BOOST (10) times bias_gamma; 0 = never
     z_loss_weight: float = 1e-3
-    balance_loss_weight: float = 0.1  # Switch's loss: every expert in use from the first steps, beside the bias
+    balance_loss_weight: float = 0.0  # off by default since bias balancing is on (the runbook used 1e-3)
     n_pop_a: int = 0  # experts [0, n_pop_a) form population A, the rest B; 0 = one population
     ortho_weight: float = 0.01
     impl: MoEImpl = "auto"  # auto picks a kernel by device and dtype
