@@ -165,14 +165,18 @@ def stop_on_signals():
             signal.signal(s, h)
 
 # %% ../../nbs/09e_persist_shards.ipynb #4911698a
+try:  # looked up once, before any fork: a dlopen in a forked child of a threaded process can hang
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (AttributeError, OSError):  # not Linux: the main process's stop still ends the workers
+    _PRCTL = None
+
+
 def worker_init():
     "A tokenizing worker: leaves Ctrl-C to the main process, and on Linux dies with it (PR_SET_PDEATHSIG)."
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    except (AttributeError, OSError):  # not Linux: the main process's stop still ends the workers
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 # %% ../../nbs/09e_persist_shards.ipynb #995902b6
 def end_workers(pool: ProcessPoolExecutor):
