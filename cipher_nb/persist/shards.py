@@ -10,7 +10,6 @@ __all__ = ['SHARD_BYTES', 'SHARD_NAME', 'RUN_FILES', 'shard_tasks', 'codec_for',
            'end_workers', 'remove_temporaries', 'prepare_shards', 'cipher_data']
 
 # %% ../../nbs/09e_persist_shards.ipynb #ce02125c
-import ctypes
 import errno
 import functools
 import itertools
@@ -165,18 +164,10 @@ def stop_on_signals():
             signal.signal(s, h)
 
 # %% ../../nbs/09e_persist_shards.ipynb #4911698a
-try:  # looked up once, before any fork: a dlopen in a forked child of a threaded process can hang
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (AttributeError, OSError):  # not Linux: the main process's stop still ends the workers
-    _PRCTL = None
-
-
 def worker_init():
-    "A tokenizing worker: leaves Ctrl-C to the main process, and on Linux dies with it (PR_SET_PDEATHSIG)."
+    "A tokenizing worker: leaves Ctrl-C and SIGTERM's stop to the main process, which ends the workers itself."
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 # %% ../../nbs/09e_persist_shards.ipynb #995902b6
 def end_workers(pool: ProcessPoolExecutor):
