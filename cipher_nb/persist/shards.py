@@ -6,8 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_shards.html.md"""
 
 # %% auto #0
 __all__ = ['SHARD_BYTES', 'SHARD_NAME', 'RUN_FILES', 'shard_tasks', 'codec_for', 'write_atomic', 'write_shard', 'finished_shard',
-           'write_manifest', 'prepared_already', 'check_out', 'PrepareStopped', 'stop_on_signals', 'worker_init',
-           'end_workers', 'remove_temporaries', 'prepare_shards', 'cipher_data']
+           'write_manifest', 'prepared_already', 'check_out', 'PrepareStopped', 'stop_on_signals', 'end_workers',
+           'remove_temporaries', 'prepare_shards', 'cipher_data']
 
 # %% ../../nbs/09e_persist_shards.ipynb #ce02125c
 import errno
@@ -163,19 +163,13 @@ def stop_on_signals():
         for s, h in old.items():
             signal.signal(s, h)
 
-# %% ../../nbs/09e_persist_shards.ipynb #4911698a
-def worker_init():
-    "A tokenizing worker: leaves Ctrl-C and SIGTERM's stop to the main process, which ends the workers itself."
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
 # %% ../../nbs/09e_persist_shards.ipynb #995902b6
 def end_workers(pool: ProcessPoolExecutor):
-    "Cancel the queued shards and terminate the workers now (a running shard is not waited for)."
+    "Cancel the queued shards and kill the workers now (a running shard is not waited for, a handler cannot delay it)."
     workers = list((getattr(pool, "_processes", None) or {}).values())  # the executor offers no public list
     pool.shutdown(wait=False, cancel_futures=True)
     for w in workers:
-        w.terminate()
+        w.kill()
     for w in workers:
         w.join(10)
 
@@ -202,7 +196,7 @@ def _prepare(data: DataConfig, root: Path, procs: int, shard_bytes: int, progres
         raise DataError(
             f"data.source {data.source!r} at data.path {data.path!r} holds no training document: nothing to prepare"
         )
-    pool = ProcessPoolExecutor(procs, mp_context=get_context("fork"), initializer=worker_init) if procs > 1 else None
+    pool = ProcessPoolExecutor(procs, mp_context=get_context("fork")) if procs > 1 else None
     futures, pending, bar = [], set(), tqdm(desc="shards", unit="shard", disable=not progress)
     try:
         for task in itertools.chain([first], tasks):
