@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, rows
-from test_reliability import in_process, nothing_written
+from test_reliability import in_process, nothing_written, script
 
 from cipher_nb.config.load import load_config
 from cipher_nb.data.codecs import build_codec
@@ -373,3 +373,16 @@ def test_cipher_eval_reads_the_heldout_split_of_a_model_trained_on_shards(prepar
     texts = [d[: fly.max_bytes or None] for d in source_documents(fly, "heldout", limit=4)]
     expected = bits_per_byte(model, codec, texts, cfg.training.seq_len, cfg.training.batch_size)
     assert res["heldout"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_prepare_in_two_processes_writes_what_one_process_writes(tmp_path):
+    "cipher-data prepare --procs 2 to the end: the same manifest as one process."
+    args = ["prepare", *MOCK, "--shard-mb", "0.02", "--quiet"]
+    for n in (1, 2):
+        r = subprocess.run(
+            [script("cipher-data"), *args, "--out", str(tmp_path / f"p{n}"), "--procs", str(n)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+    one, two = (json.loads((tmp_path / f"p{n}" / "manifest.json").read_text()) for n in (1, 2))
+    assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]] and len(one["shards"]) > 2
