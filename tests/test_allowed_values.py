@@ -46,6 +46,7 @@ def test_config_fields_use_the_literals():
         (config.AttentionConfig, "impl"): config.AttnImpl,
         (config.TrainConfig, "activation_checkpoint"): config.ActCheckpoint,
         (config.MoEConfig, "router_score"): config.RouterScore,
+        (config.MoEConfig, "bias_rule"): config.BiasRule,
         (config.BoundaryConfig, "mode"): config.BPMode,
         (config.BoundaryConfig, "loss"): config.BPLoss,
         (config.DataConfig, "source"): config.Source,

@@ -9,7 +9,7 @@ __all__ = ['GROUP_ALIGN', 'FUSED_GATE_UP_ROWS', 'MOE_IMPLS', 'GROUPED_DTYPES', '
            'expert_counts', 'router_z_loss', 'router_probs', 'balance_loss', 'ortho_loss', 'cross_pop_overlap',
            'expert_load_stats', 'DispatchPlan', 'dispatch_plan', 'sum_token_rows', 'grouped_mm', 'grouped_mm_op',
            'compute_dtype', 'bmm_capacity', 'expert_products', 'RoutedExperts', 'SharedProjectionExperts',
-           'resolve_moe_impl', 'expert_width', 'MoE', 'update_moe_biases', 'moe_kernels_used']
+           'resolve_moe_impl', 'expert_width', 'bias_rate', 'bias_step', 'MoE', 'update_moe_biases', 'moe_kernels_used']
 
 # %% ../../nbs/05_model_moe.ipynb #5ee5504f
 import math
@@ -449,6 +449,23 @@ def _disable_compile(fn):
 # %% ../../nbs/05_model_moe.ipynb #fbda9f9a
 BIAS_BOOST = 10  # the bias rate's multiple over the first `bias_boost_steps` optimizer steps
 
+# %% ../../nbs/05_model_moe.ipynb #e77b82fa
+def bias_rate(m, step: int | None = None, horizon: int | None = None) -> float:
+    "The bias's step (MoE config `m`) at optimizer `step` of a run planned for `horizon` steps; 0 keeps it frozen."
+    if m.bias_gamma == 0:
+        return 0.0  # a frozen bias stays frozen (LoRA freezes it so)
+    gamma = max(m.bias_gamma, m.bias_travel / horizon) if horizon else m.bias_gamma
+    return gamma * (BIAS_BOOST if step is not None and step <= m.bias_boost_steps else 1)
+
+# %% ../../nbs/05_model_moe.ipynb #7bb1cae9
+def bias_step(load, gamma: float, rule: str = "overload"):
+    "The bias's move [E] for one step's `load` [E], mean-centred: `gamma * sign(mean - load)`, overloads scaled up."
+    load = load.float()
+    mean = load.mean()
+    err = (mean - load) / mean.clamp_min(1e-12)  # 0 at an even share, 1 with no token, -1 at twice the mean
+    delta = gamma * torch.sign(err) * (err.abs().clamp_min(1) if rule == "overload" else 1)
+    return delta - delta.mean()  # the biases keep summing to zero
+
 # %% ../../nbs/05_model_moe.ipynb #c4d614b1
 class MoE(nn.Module):
     "Routed + shared SwiGLU experts with fp32 (fp64) routing, loss-free balancing, weighted aux losses and statistics."
@@ -579,15 +596,11 @@ class MoE(nn.Module):
         return load
 
     @torch.no_grad()
-    def apply_load(self, load, step: int = None):
-        "One DeepSeek-V3 step, `bias += gamma * sign(mean - load)` mean-centred (boosted early, at optimizer `step`)."
+    def apply_load(self, load, step: int = None, horizon: int = None):
+        "One balancing step from `load` [E] at optimizer `step` of a run planned for `horizon` steps (`bias_step`)."
         m = self.cfg.moe
-        if not m.bias_balance:
-            return
-        load = load.to(self.expert_bias.device, torch.float32)
-        gamma = m.bias_gamma * (BIAS_BOOST if step is not None and step <= m.bias_boost_steps else 1)
-        delta = gamma * torch.sign(load.mean() - load)
-        self.expert_bias += delta - delta.mean()
+        if m.bias_balance:
+            self.expert_bias += bias_step(load.to(self.expert_bias.device), bias_rate(m, step, horizon), m.bias_rule)
 
     def update_bias(self):
         "Update the balancing bias from this step's counts (summed across ranks when distributed)."
@@ -597,8 +610,8 @@ class MoE(nn.Module):
         self.apply_load(load)
 
 # %% ../../nbs/05_model_moe.ipynb #1712b9f1
-def update_moe_biases(model: nn.Module, step: int = None) -> int:
-    "Update the bias of every `MoE` in `model` from optimizer step `step`'s counts, one all-reduce; returns how many."
+def update_moe_biases(model: nn.Module, step: int = None, horizon: int = None) -> int:
+    "Update every `MoE`'s bias from optimizer step `step`'s counts of a `horizon`-step run, one all-reduce; how many."
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if not blocks:
         return 0
@@ -606,7 +619,7 @@ def update_moe_biases(model: nn.Module, step: int = None) -> int:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(loads)
     for m, load in zip(blocks, loads):
-        m.apply_load(load, step)
+        m.apply_load(load, step, horizon)
     return len(blocks)
 
 # %% ../../nbs/05_model_moe.ipynb #78783878

@@ -168,7 +168,8 @@ class MoEBalancing(Callback):
                 m.take_load()
 
     def after_step(self, trainer):
-        update_moe_biases(trainer.raw_model, trainer.step)  # one all-reduce for every block, on every rank
+        # one all-reduce for every block, on every rank; the plan's length sets a short run's rate (bias_travel)
+        update_moe_biases(trainer.raw_model, trainer.step, trainer.schedule.max_steps)
 
 # %% ../../nbs/11a_train_builder.ipynb #59abbebb
 class BoundarySchedule(Callback):
