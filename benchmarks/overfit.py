@@ -179,12 +179,12 @@ def time_steps(a, names: list, root: Path) -> dict:
         trs = {n: trainer(a, n, 1.0, root, 0, 10**6, Path(tmp) / n)[0] for n in names}
         for tr in trs.values():
             for _ in range(a.round_steps):
-                tr.train_step()
+                quality.fit_step(tr)
         for r in range(a.rounds):
             for n in names[r % len(names) :] + names[: r % len(names)]:
                 c0 = clock()
                 for _ in range(a.round_steps):
-                    trs[n].train_step()
+                    quality.fit_step(trs[n])
                 times[n].append((clock() - c0) / a.round_steps)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
@@ -236,7 +236,7 @@ def run_one(a) -> dict:
         used, wall0, curve, best = 0.0, time.perf_counter(), [], None
         while tr.step < a.steps:
             c0 = clock()
-            tr.train_step()
+            quality.fit_step(tr)
             used += clock() - c0
             if tr.step not in points:
                 continue

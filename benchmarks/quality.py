@@ -175,11 +175,15 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
 
 
 def fit_step(tr):
-    "One training step, the callbacks' `before_step` first as in `Trainer.fit` (the boundary predictor's mode)."
+    "One training step between the callbacks' `before_step` and `after_step`, as `Trainer.fit` runs it."
     from cipher_nb.callbacks import run_callbacks
 
-    run_callbacks(getattr(tr, "callbacks", ()), "before_step", tr)  # the minimal GPT has none
-    return tr.train_step()
+    callbacks = getattr(tr, "callbacks", ())  # the minimal GPT has none
+    run_callbacks(callbacks, "before_step", tr)  # the boundary predictor's mode; a skipped step's counts dropped
+    res = tr.train_step()
+    if res is not None:  # as in Trainer.fit: a skipped step moves no balancing bias
+        run_callbacks(callbacks, "after_step", tr)
+    return res
 
 
 def heldout_overrides(base, seq_len: int) -> list:

@@ -110,13 +110,13 @@ def calibrate(a, cfg_over: dict) -> dict:
         }
         for tr in trs.values():
             for _ in range(a.round_steps):
-                tr.train_step()
+                quality.fit_step(tr)
         names = list(trs)
         for r in range(a.rounds):
             for n in names[r % len(names) :] + names[: r % len(names)]:
                 c0 = time.process_time()
                 for _ in range(a.round_steps):
-                    trs[n].train_step()
+                    quality.fit_step(trs[n])
                 times[n].append((time.process_time() - c0) / a.round_steps)
     return {n: statistics.median(ts) for n, ts in times.items()}
 

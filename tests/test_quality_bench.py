@@ -184,6 +184,28 @@ def test_moe_muonx_puts_the_experts_on_muon(tmp_path):
     ]
 
 
+def test_a_benchmark_step_moves_the_balancing_bias_as_training_does(tmp_path):
+    "`fit_step` runs the callbacks' after_step as `Trainer.fit` does: the MoE contender's bias moves every step."
+    from types import SimpleNamespace
+
+    from cipher_nb.model.moe import MoE
+
+    a = SimpleNamespace(
+        config=None,
+        overrides=["model.n_layers=2", "training.seq_len=32", "schedule.warmup_steps=1"],
+        plan="steps",
+        clock="cpu",
+    )
+    tr = quality.contender_trainer(a, "moe", 0, 3, tmp_path / "a")[0]
+    blocks = [m for m in tr.raw_model.modules() if isinstance(m, MoE)]
+    biases = []
+    for _ in range(2):
+        quality.fit_step(tr)
+        biases.append([m.expert_bias.clone() for m in blocks])
+    assert blocks and all(b.abs().sum() > 0 for b in biases[0]), "the bias never moved: no after_step"
+    assert all(not torch.equal(b0, b1) for b0, b1 in zip(*biases))  # and again at the next step
+
+
 @pytest.mark.parametrize(
     "args, says",
     [(["--jobs", "0"], "--jobs must be at least 1"), (["--contenders", "nope"], "unknown contender 'nope'")],
