@@ -16,7 +16,8 @@ Rows run only when named in `--rows`:
 
 Each row builds its model and optimizer with the project's own builders (`build_model`, `build_optimization`: the
 precision, compilation and wrappers a `cipher-train` run gets) and times `Trainer.train_step` with the loss-free
-balancing callback, on random token batches already on the device (the data pipeline is not measured). Columns:
+balancing callback, on random token batches already on the device (the data pipeline is not measured; "real"
+routing is a freshly initialized router's choice on those tokens, not a trained one's). Columns:
 tokens/s; MFU = tokens/s x (6 x active parameters + causal attention) FLOPs per token over the GPU's dense bf16 peak
 (`cipher_nb.monitor.metrics.PEAK_BF16_FLOPS`), no recomputation counted; the MoE/dense throughput ratio; the peak
 memory of the timed steps beside `cipher-plan`'s prediction (`cipher_nb.train.plan.trace_step`, fake tensors on the
@@ -120,7 +121,8 @@ def row_config(row: Row, smoke: bool, device: str, extra: tuple = ()):
 
 
 def card_flops_per_token(m, seq_len: int) -> float:
-    "6 x active parameters + causal attention (half the score and value products of full attention) per token."
+    "6 x active parameters + causal attention (half of full attention's score and value products) per token."
+    # the card's presets have no recurrence and no boundary predictor, whose extra passes this does not count
     pc = param_counts(m)
     return (
         6 * (pc["active_non_embedding"] + m.vocab * m.d_model) + m.n_layers * attention_flops_per_token(m, seq_len) / 2
@@ -377,12 +379,15 @@ def run_card(names: list, a: dict, limit: float) -> dict:
                 results[name] = dict(r, status="ran", **run_row(name, cfg, a, plans, limit - elapsed))
             except Exception as e:  # the row's failure goes in the table; the other rows still run
                 results[name] = dict(r, **failure(e))
-            walls.append((time.perf_counter() - t0) / row.cost)
+            results[name]["wall_s"] = time.perf_counter() - t0
+            walls.append(results[name]["wall_s"] / row.cost)
             torch._dynamo.reset()  # its caches hold the row's compiled blocks and, through them, its weights
             gc.collect()
             if a["device"] == "auto":
                 torch.cuda.empty_cache()
-        print(f"{name}: {results[name]['status']} {results[name].get('note', '')}".rstrip(), flush=True)
+        r = results[name]
+        took = f" in {r['wall_s']:.0f} s" if "wall_s" in r else ""
+        print(f"{name}: {r['status']}{took} {r.get('note', '')}".rstrip(), flush=True)
     return results
 
 
@@ -396,7 +401,8 @@ def card_header(a: dict, peak_flops, seconds: float) -> list:
         f"device: {name}; torch {torch.__version__}; dense bf16 peak {tflops} TFLOP/s; {a['warmup']} warm-up + "
         f"{a['steps']} timed steps a row; {seconds:.0f} s in all",
         "MFU: tok/s x (6 x active parameters + causal attention) FLOPs per token / the dense bf16 peak (fp8 rows too), "
-        "no recomputation counted. compile s: the warm-up steps' time beyond as many timed steps. plan GiB: "
+        "no recomputation counted. compile s: the warm-up steps' time beyond as many timed steps (the first compiled "
+        "row's includes the compiler's start in this process). plan GiB: "
         "cipher-plan's peak for the row's micro-batch on one GPU.",
     ]
 
