@@ -5,10 +5,14 @@ block's copy of it. Plans: selective and full activation checkpointing, a stack 
 recurrent core (every loop's tokens count, the loops without gradients too), FSDP2 over two gloo ranks, a stopped and
 resumed run; and the bookkeeping reads no value on the host."""
 
+import tempfile
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
@@ -123,9 +127,9 @@ def train(model, counter, steps) -> list:
     return out
 
 
-def expected_bias(moe: MoE, before, counts, step: int):
-    "The bias a fresh block with bias `before` holds after `apply_load` of `counts` at optimizer `step`."
-    ref = MoE(moe.cfg)
+def expected_bias(cfg, before, counts, step: int):
+    "The bias a fresh block of model config `cfg` with bias `before` holds after `apply_load` of `counts` at `step`."
+    ref = MoE(cfg)
     with torch.no_grad():
         ref.expert_bias.copy_(before)
     ref.apply_load(torch.tensor(counts), step)
@@ -153,4 +157,36 @@ def test_every_block_counts_each_token_once(plan, early_stop):
             assert pending == hand, (plan, step, name)
             assert sum(hand) == 2 * 2 * 24 * m.cfg.moe.top_k * runs[int(name.split(".")[1])]
             assert not torch.equal(after, before), (plan, step, name)  # every block updates
-            assert torch.equal(after, expected_bias(m, before, hand, step)), (plan, step, name)
+            assert torch.equal(after, expected_bias(m.cfg, before, hand, step)), (plan, step, name)
+
+
+FSDP = [*TINY, "training.parallel=fsdp", "training.activation_checkpoint=selective"]
+
+
+def _fsdp_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, counter = build(FSDP, rank, world)
+        assert type(model.layers[1].ffn.router.weight).__name__ == "DTensor"  # sharded
+        steps = train(model, counter, batches(rank))
+        torch.save(dict(names=[n for n, _ in counter.blocks], steps=steps), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_ranks_end_each_step_with_the_same_biases():
+    "FSDP2 (with selective checkpointing) on two gloo ranks: after each step both hold the bias of both ranks' counts."
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_fsdp_worker, args=(2, f"{d}/init", d), nprocs=2, join=True)
+        ranks = [torch.load(Path(d) / f"rank{r}.pt") for r in range(2)]
+    cfg = load_config(None, FSDP).model
+    assert ranks[0]["names"] == ranks[1]["names"] == ["layers.1.ffn", "layers.2.ffn"]
+    for step, (a, b) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"]), 1):
+        assert a["pending"] == a["hand"] and b["pending"] == b["hand"]  # each rank counted its own tokens
+        assert a["hand"] != b["hand"]  # ranks saw different tokens
+        for layer in range(2):
+            assert torch.equal(a["before"][layer], b["before"][layer])
+            assert torch.equal(a["after"][layer], b["after"][layer])  # the ranks agree, bit for bit
+            both = [x + y for x, y in zip(a["hand"][layer], b["hand"][layer])]
+            assert torch.equal(a["after"][layer], expected_bias(cfg, a["before"][layer], both, step)), (step, layer)
+            assert not torch.equal(a["after"][layer], a["before"][layer])
