@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_weights
 
 from cipher_nb.config.load import load_config
 from cipher_nb.core import DistEnv
@@ -190,3 +191,38 @@ def test_fsdp2_ranks_end_each_step_with_the_same_biases():
             both = [x + y for x, y in zip(a["hand"][layer], b["hand"][layer])]
             assert torch.equal(a["after"][layer], expected_bias(cfg, a["before"][layer], both, step)), (step, layer)
             assert not torch.equal(a["after"][layer], a["before"][layer])
+
+
+@pytest.fixture
+def one_thread():
+    "One intra-op thread, as conftest's `straight_run` trains (OMP_NUM_THREADS=1): the same sums, bit for bit."
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
+def biases(run, step: int) -> dict:
+    "The balancing biases in a run's checkpoint of `step`, by name."
+    from cipher_nb.persist.files import load_checkpoint
+
+    model = load_checkpoint(run / f"checkpoints/step_{step:07d}")["model"]
+    return {k: v for k, v in model.items() if k.endswith("expert_bias")}
+
+
+def test_biases_resume_bit_exactly(straight_run, tmp_path, one_thread):
+    "Stopped by SIGTERM after a step and resumed: the biases of every step checkpoint are the uninterrupted run's."
+    from cipher_nb.train.cli import cipher_train
+
+    run = tmp_path / "stopped"
+    r = run_in_process(
+        cipher_train, "--out", run, "--quiet", *RESUME, "--fault", f"sigterm@{RESUME_EVERY}", pos=["config"]
+    )
+    assert r.returncode == 0 and not (run / "final").exists(), r.stderr[-2000:]
+    r = run_in_process(cipher_train, "--out", run, "--quiet", "--resume", "auto", *RESUME, pos=["config"])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+    for step in (RESUME_EVERY, RESUME_STEPS):
+        want, got = biases(straight_run, step), biases(run, step)
+        assert want and same_weights(got, want), step
+    first, last = biases(run, RESUME_EVERY), biases(run, RESUME_STEPS)
+    assert all(b.abs().sum() > 0 and not torch.equal(b, last[k]) for k, b in first.items())  # they moved, and on
