@@ -5,6 +5,7 @@ block's copy of it. Plans: selective and full activation checkpointing, a stack 
 recurrent core (every loop's tokens count, the loops without gradients too), FSDP2 over two gloo ranks, a stopped and
 resumed run; and the bookkeeping reads no value on the host."""
 
+import dataclasses
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_weights
 
-from cipher_nb.config.load import load_config
+from cipher_nb.config.load import ModelConfig, load_config
 from cipher_nb.core import DistEnv
 from cipher_nb.model.lm import CipherModel
 from cipher_nb.model.moe import MoE, update_moe_biases
@@ -226,3 +227,28 @@ def test_biases_resume_bit_exactly(straight_run, tmp_path, one_thread):
         assert want and same_weights(got, want), step
     first, last = biases(run, RESUME_EVERY), biases(run, RESUME_STEPS)
     assert all(b.abs().sum() > 0 and not torch.equal(b, last[k]) for k, b in first.items())  # they moved, and on
+
+
+def test_bookkeeping_reads_no_value_on_the_host():
+    """Under FakeTensorMode, where tensors have shapes but no values, a training forward and backward of the grouped
+    path (the one without a sync by design), the load count and the bias update run: nothing read a value on the host
+    (`.item()`, a data-dependent shape), which would raise, as the `bmm` path's capacity does."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    cfg = ModelConfig()  # the tiny-cpu preset's block
+    moe = dataclasses.replace(cfg.moe, impl="grouped", balance_loss_weight=1e-3, n_pop_a=2)
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # grouped_mm's shape function asks for bf16
+    try:
+        with FakeTensorMode():
+            m = MoE(dataclasses.replace(cfg, moe=moe)).train()
+            x = torch.randn(2, 16, cfg.d_model, requires_grad=True)
+            for _ in range(2):  # two micro-batches
+                y, aux, _ = m(x)
+                ((y.float() ** 2).mean() + sum(aux.values())).backward()
+            assert m.kernel == "grouped" and m.pending_load.shape == (moe.n_routed,)
+            assert update_moe_biases(m, 1) == 1
+            with pytest.raises(DataDependentOutputException):  # what a sync meets here
+                MoE(dataclasses.replace(cfg, moe=dataclasses.replace(moe, impl="bmm"))).train()(x)
+    finally:
+        torch.set_default_dtype(was)
