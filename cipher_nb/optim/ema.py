@@ -96,7 +96,11 @@ class WeightAverage(Callback):
 
     def ema_state(self) -> dict:
         "A checkpoint's `ema` entry: the update count, the averaged weights (sharded like the model) and biases."
-        return dict(updates=self.updates, weights=self.weights, buffers=self.buffers)
+        # the biases as lists (exact for fp32): they travel in the state file, not through DCP's sharded read,
+        # which would refuse a checkpoint saved before they were averaged
+        return dict(
+            updates=self.updates, weights=self.weights, buffers={n: b.tolist() for n, b in self.buffers.items()}
+        )
 
     @torch.no_grad()
     def load_ema_state(self, d: dict):
@@ -104,7 +108,10 @@ class WeightAverage(Callback):
         self.updates = int(d["updates"])
         for n, a in self.weights.items():
             a.copy_(d["weights"][n])
-        self.buffers = {n: b.float().clone() for n, b in d.get("buffers", {}).items()}
+        if "buffers" not in d:
+            self.buffers = {}
+        for n, a in self.buffers.items():
+            a.copy_(torch.tensor(d["buffers"][n]))  # into the tensors on the model's device
 
     def nbytes(self) -> int:
         "Bytes of the averaged copy on this rank."
