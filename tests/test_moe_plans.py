@@ -3,7 +3,8 @@
 and bias and counted, are the load the step applies, and the bias ends where `apply_load` of those counts moves a fresh
 block's copy of it. Plans: selective and full activation checkpointing, a stack mixing dense and MoE layers, a
 recurrent core (every loop's tokens count, the loops without gradients too), FSDP2 over two gloo ranks, a stopped and
-resumed run; and the bookkeeping reads no value on the host."""
+resumed run; and the bookkeeping reads no value on the host. Weight averaging averages the biases with the weights:
+nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
 
 import dataclasses
 import tempfile
