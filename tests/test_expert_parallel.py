@@ -94,8 +94,8 @@ WORKER = textwrap.dedent("""
                 full = lambda n, g: split.gather(g) if split is not None and n in split.names else g
                 self.grads = {n: full(n, p.grad).clone() for n, p in trainer.raw_model.named_parameters()}
 
-    def run(name, degree, resume=None):
-        cfg = load_config(None, [*RUN, f"training.expert_parallel={degree}"])
+    def run(name, degree, resume=None, *extra):
+        cfg = load_config(None, [*RUN, f"training.expert_parallel={degree}", *extra])
         first = FirstGrads()
         tr = build_trainer(cfg, out / name, resume=resume, progress=False, callbacks=[first])
         tr.fit(progress=False)
@@ -107,7 +107,8 @@ WORKER = textwrap.dedent("""
     run("ddp", 1)
     run("ep", 2)
     run("ep_to_ddp", 1, resume=str(out / "ep/checkpoints/step_0000003"))
-    run("ddp_to_ep", 2, resume=str(out / "ddp/checkpoints/step_0000003"))
+    # with checkpointing too: the recomputed forward exchanges its rows again, on every rank alike
+    run("ddp_to_ep", 2, str(out / "ddp/checkpoints/step_0000003"), "training.activation_checkpoint=full")
     dist.barrier()
     os._exit(0)  # no interpreter teardown: gloo's threads at shutdown sometimes abort a rank after the work passed
 """)
@@ -125,8 +126,8 @@ def close(a, b, rel=1e-4):
 
 def test_degree_two_trains_as_data_parallel_and_resumes_at_the_other_degree(tmp_path):
     """torchrun, 2 CPU ranks: degree 2 gives the 2-rank DDP run's losses, gradient norms, gradients and weights (1e-4
-    relative); a save at degree 2 resumed at degree 1, and one at degree 1 resumed at 2, continue the same losses;
-    record.json states the layout and each rank's half of the expert parameters."""
+    relative); a save at degree 2 resumed at degree 1, and one at degree 1 resumed at 2 (with activation checkpointing),
+    continue the same losses; record.json states the layout and each rank's half of the expert parameters."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
