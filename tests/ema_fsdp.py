@@ -1,5 +1,6 @@
 """Run under torchrun by test_ema.py: an FSDP2 run with optim.ema straight to its end, then the same run resumed from
-its half-way checkpoint, in one launch; each rank writes whether its shards of the average and weights agree."""
+its half-way checkpoint, in one launch; each rank writes whether its shards of the average and weights agree, and its
+averaged balancing biases."""
 
 import json
 import os
@@ -38,6 +39,9 @@ result = dict(
     sharded=all(hasattr(t, "to_local") for t in avg_a.weights.values()),
     same_average=all(torch.equal(local(t), local(avg_b.weights[n])) for n, t in avg_a.weights.items()),
     same_weights=all(torch.equal(local(p), local(params_b[n])) for n, p in a.raw_model.named_parameters()),
+    same_biases=bool(avg_a.buffers) and all(torch.equal(t, avg_b.buffers[n]) for n, t in avg_a.buffers.items()),
+    biases={n: t.tolist() for n, t in avg_a.buffers.items()},
+    bias_bytes=4 * sum(t.numel() for t in avg_a.buffers.values()),
     updates=[avg_a.updates, avg_b.updates],
     bytes=avg_a.nbytes(),
 )

@@ -52,7 +52,7 @@ def test_resume_with_ema_is_bit_identical(straight_run, tmp_path, one_thread):
     ]
     ea, eb = checkpoint(a, RESUME_STEPS)["ema"], checkpoint(b, RESUME_STEPS)["ema"]
     assert ea["updates"] == eb["updates"] == RESUME_STEPS
-    assert same_weights(ea["weights"], eb["weights"])
+    assert same_weights(ea["weights"], eb["weights"]) and ea["buffers"] == eb["buffers"]
     assert same_weights(weights(a / "final"), weights(b / "final"))
     # the average changes no trained weight: the model of the last checkpoint is the run's without it (conftest's)
     assert same_weights(checkpoint(a, RESUME_STEPS)["model"], checkpoint(straight_run, RESUME_STEPS)["model"])
@@ -60,11 +60,17 @@ def test_resume_with_ema_is_bit_identical(straight_run, tmp_path, one_thread):
     final = weights(a / "final")
     shared = [k for k in final if k in ea["weights"]]
     assert shared and all(torch.equal(final[k], ea["weights"][k]) for k in shared)
+    # and the averaged balancing biases, not the live ones the model's checkpoint holds
+    live = checkpoint(a, RESUME_STEPS)["model"]
+    biases = [k for k in final if k.endswith("expert_bias")]
+    assert biases and sorted(biases) == sorted(ea["buffers"])
+    for k in biases:
+        assert torch.equal(final[k], torch.tensor(ea["buffers"][k])) and not torch.equal(final[k], live[k]), k
     assert json.loads((a / "final/meta.json").read_text())["averaged"] == dict(decay=0.9, updates=RESUME_STEPS)
     val = [x["val/loss"] for x in rows(a) if "val/loss" in x]
     assert val != [x["val/loss"] for x in rows(straight_run) if "val/loss" in x]
     ema = json.loads((a / "record.json").read_text())["optimizer"]["ema"]
-    n = sum(t.numel() for t in ea["weights"].values())
+    n = sum(t.numel() for t in ea["weights"].values()) + sum(map(len, ea["buffers"].values()))
     assert ema == dict(decay=0.9, bytes_per_rank=4 * n, world_size=1)
 
 
@@ -89,7 +95,7 @@ def test_fsdp2_average_is_sharded_and_resumes_exactly(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for res in ranks:
-        assert res["sharded"] and res["same_average"] and res["same_weights"], res
+        assert res["sharded"] and res["same_average"] and res["same_weights"] and res["same_biases"], res
         assert res["updates"] == [RESUME_STEPS, RESUME_STEPS]
     skeleton = torch.load(tmp_path / f"a/checkpoints/step_{RESUME_EVERY:07d}/state.pt", weights_only=False)["_sharded"]
     assert "ema" in skeleton  # written by DCP beside the model's shards, not gathered into state.pt
@@ -97,4 +103,6 @@ def test_fsdp2_average_is_sharded_and_resumes_exactly(tmp_path):
     ema = json.loads((tmp_path / "a/record.json").read_text())["optimizer"]["ema"]
     assert ema == dict(decay=0.9, bytes_per_rank=ranks[0]["bytes"], world_size=2)
     n = sum(t.numel() for t in weights(tmp_path / "a/final").values())
-    assert sum(r["bytes"] for r in ranks) <= 4 * n  # each rank holds its half (tied weights are exported once)
+    assert ranks[0]["biases"] == ranks[1]["biases"]  # the averaged biases: whole, and the same, on every rank
+    halves = sum(r["bytes"] - r["bias_bytes"] for r in ranks) + ranks[0]["bias_bytes"]
+    assert halves <= 4 * n  # each rank holds its half of the weights (tied weights are exported once)

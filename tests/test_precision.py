@@ -1,12 +1,10 @@
 "Precision conversion on real cipher_nb modules, 8-bit AdamW checkpoints through files, and the cross-optimizer resume."
 
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import run_cli
 
 from cipher_nb.config.load import Config, model_config
 from cipher_nb.model.moe import MoE
@@ -164,35 +162,6 @@ def test_cipher_model_converts(mode):
     assert report["kernels"]["calls"][f"mm:{mode}"] > 0
     probe(model)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-
-
-def test_gpu_check_smoke_runs_on_cpu(root):
-    r = run_cli(sys.executable, "benchmarks/gpu_check.py", "--smoke", "--modes", "bf16,fp8,mxfp8", timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    table = r.stdout[r.stdout.index("mode ") :]
-    rows = {line.split()[0]: line for line in table.splitlines()[2:] if line.strip()}
-    assert set(rows) == {"bf16", "fp8", "mxfp8"} and "FAILED" not in table, table
-    assert "mxfp8 grouped GEMM" in rows["mxfp8"] and rows["bf16"].split()[7] == "1.00"
-    assert float(rows["bf16"].split()[5]) >= 0  # the planner's peak (GB) beside the measured one ("-" on a CPU)
-
-
-def test_gpu_check_smoke_runs_the_whole_plan_on_cpu(root):
-    "The default plan (both presets, compiled, fp8, checkpointed) on tiny shapes: one table per preset."
-    r = run_cli(sys.executable, "benchmarks/gpu_check.py", "--smoke", timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = r.stdout
-    tables = {t.split(":")[0]: t for t in out.split("\n\n") if ": ratios to " in t}
-
-    def rows(table):
-        lines = [line for line in table.splitlines()[3:] if line.strip()]
-        return {line.split()[0]: line.split() for line in lines}
-
-    h, w = rows(tables["h100.yaml"]), rows(tables["wide-h100.yaml"])
-    assert set(h) == {"bf16", "bf16+compile", "fp8+compile", "fp8+compile+all"}, out
-    assert set(w) == {"bf16+compile", "fp8+compile", "bf16+compile+ac"}, out
-    assert h["bf16"][7] == "1.00" and w["bf16+compile"][7] == "1.00"
-    assert int(w["fp8+compile"][10]) > 0 and int(w["bf16+compile+ac"][10]) == 0  # the converted column
-    assert "compile modes run eagerly" in out
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from typing import Literal
 
 import yaml
 
+from .parallel import expert_parallel_rules
 from .schema import *  # the sections and allowed values: cipher_nb.config.load re-exports them
 
 # %% ../../nbs/01_config_load.ipynb #131496a9
@@ -525,7 +526,7 @@ def validate(cfg: Config) -> Config:
     rules = [*stage_rules(cfg), *model_rules(cfg.model), *schedule_rules(cfg.schedule), *data_rules(cfg.data)]
     rules += [*sft_rules(cfg.sft), *budget_rules(cfg.schedule, cfg.data, cfg.stage.name)]
     corr = cfg.monitor.max_token_corr
-    rules.append((0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"))
+    rules += [(0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"), *expert_parallel_rules(cfg)]
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)

@@ -230,6 +230,7 @@ class TrainConfig:
     seed: int = 0
     device: str = cosmetic("auto")
     parallel: Parallel = "ddp"  # fsdp under torchrun
+    expert_parallel: int = cosmetic(1)  # ranks that split each MoE layer's routed experts (ddp); 1 = off
     cpu_offload: bool = cosmetic(False)  # fsdp: parameters, gradients and optimizer state live in CPU memory
     compile: bool = cosmetic(False)  # torch.compile each block (regional compilation)
     activation_checkpoint: ActCheckpoint = cosmetic("none")  # per block: recompute activations in backward
@@ -375,6 +376,7 @@ AT_LEAST = {  # field -> (the least value that works, what the field counts)
     "training.seq_len": (2, "tokens per window: one input and one target at least"),
     "training.batch_size": (1, "windows per micro-batch"),
     "training.grad_accum": (1, "micro-batches per optimizer step"),
+    "training.expert_parallel": (1, "ranks that split each MoE layer's routed experts (1 = off)"),
     "schedule.target_tokens": (0, "tokens to train on (0 = no token budget)"),
     "training.log_every": (1, "steps between logged rows"),
     "training.eval_every": (0, "steps between held-out evaluations (0 = at the last step, and SFT's epochs)"),

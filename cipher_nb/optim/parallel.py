@@ -19,6 +19,7 @@ from ..config.load import ConfigError, TrainConfig
 from ..core import DistEnv
 from ..model.lm import attention_kernels_used
 from ..model.moe import moe_kernels_used
+from .expert_parallel import ExpertParallel
 
 # %% ../../nbs/08b_optim_parallel.ipynb #78278a22
 def _at(model: nn.Module, path: str):
@@ -137,23 +138,30 @@ def apply_fsdp(model: nn.Module, dtype: torch.dtype = torch.float32, mesh=None, 
 
 # %% ../../nbs/08b_optim_parallel.ipynb #1b86d1da
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    "Replicate `model` with DDP (one device per process)."
+    "Replicate `model` with DDP (one device per process), all but the experts `model.expert_parallel` splits."
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    split = getattr(model, "expert_parallel", None)
+    if split is not None:  # each rank's experts differ: DDP neither broadcasts nor averages them
+        DDP._set_params_and_buffers_to_ignore_for_model(model, split.names)
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 # %% ../../nbs/08b_optim_parallel.ipynb #d635fb3d
 def parallelize(
     model: nn.Module, training: TrainConfig, env: DistEnv, device: torch.device, dtype=torch.float32
 ) -> tuple:
-    "AC, compile, then FSDP2 / DDP, as `training` asks: (the model to train, what was done, for the record)."
+    "Split experts, AC, compile, then FSDP2 / DDP, as `training` asks: (the model to train, what was done: its record)."
     if training.cpu_offload and not (env.distributed and training.parallel == "fsdp"):
         raise ConfigError(
             "training.cpu_offload offloads FSDP2 shards: set training.parallel=fsdp and run under torchrun"
         )
+    if training.expert_parallel > 1:  # first: the blocks checkpointed and compiled hold the split experts
+        model.expert_parallel = ExpertParallel(model, training.expert_parallel, env.rank, env.world_size)
     apply_ac(model, training.activation_checkpoint)
     compiled = apply_compile(model) if training.compile else False
     info = {"compiled": compiled, "activation_checkpoint": training.activation_checkpoint}
+    if training.expert_parallel > 1:
+        info["expert_parallel"] = model.expert_parallel.describe()
     if not env.distributed:
         return model, info
     if training.parallel == "fsdp":

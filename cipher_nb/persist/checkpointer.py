@@ -23,6 +23,7 @@ from torch import nn
 from ..config.load import Config, TrainConfig, config_hash
 from ..core import rng_state, seed_everything, set_rng_state
 from ..model.lm import renamed
+from ..optim.expert_parallel import full_layout
 from cipher_nb.persist.files import (
     EXPORT_WEIGHTS,
     FORMAT,
@@ -311,7 +312,8 @@ def training_state(
     model: nn.Module, optimizer=None, scheduler=None, *, step: int, tokens: int = 0, data_state=None, **extra
 ) -> dict:
     "The standard checkpoint: model, optimizer, scheduler, step, tokens, data-loader state and RNG of every rank."
-    msd, osd = _state_dicts(model, optimizer)
+    with full_layout(model, optimizer):  # split experts (`optim.expert_parallel`): saved whole, at any degree
+        msd, osd = _state_dicts(model, optimizer)
     return dict(
         model=msd,
         optimizer=osd,
@@ -392,21 +394,22 @@ def restore_training_state(
             "world size; start a new stage from its weights with --init instead"
         )
     data = state["data"][rank] if saved_world == world else global_data_state(state["data"], path)
-    _set_model(model, state["model"], path, dcp_api=dcp_api)
-    if optimizer is not None:
-        if state.get("optimizer") is None:
-            raise CheckpointError(f"{path} holds no optimizer state: load it with --init (weights only)")
-        try:
-            if dcp_api:
-                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    with full_layout(model, optimizer):  # split experts: loaded whole, then each rank keeps its share
+        _set_model(model, state["model"], path, dcp_api=dcp_api)
+        if optimizer is not None:
+            if state.get("optimizer") is None:
+                raise CheckpointError(f"{path} holds no optimizer state: load it with --init (weights only)")
+            try:
+                if dcp_api:
+                    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-                set_optimizer_state_dict(model, optimizer, state["optimizer"])
-            else:
-                optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(
-                f"{path}: its optimizer state does not fit this optimizer: {first_sentence(e)}"
-            ) from None
+                    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+                else:
+                    optimizer.load_state_dict(state["optimizer"])
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise CheckpointError(
+                    f"{path}: its optimizer state does not fit this optimizer: {first_sentence(e)}"
+                ) from None
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     elastic = None

@@ -42,6 +42,7 @@ from cipher_nb.config.load import (
     save_config,
     stage_config,
 )
+from ..config.parallel import expert_parallel_rules
 from ..config.sizing import flops_per_token, param_counts
 from ..core import DistEnv, dist_backend, dist_env, resolve_device, seed_everything
 from ..data.codecs import build_codec
@@ -54,6 +55,7 @@ from ..model.roles import params_with_role
 from ..monitor.health import MonitorCallback, Utilization
 from ..monitor.metrics import GPUUtilization, device_peak_flops, heldout_metrics
 from ..optim.ema import WeightAverage, averaged_eval, weight_average
+from ..optim.expert_parallel import full_layout
 from ..optim.optimizers import build_optimizer, optimizer_kind
 from ..optim.precision import convert_or_fall_back, detect_precision
 from cipher_nb.persist.checkpointer import (
@@ -137,7 +139,7 @@ class RunCheckpoints:
         final = self.checkpointer.root.parent / "final"  # RUN/final, beside RUN/checkpoints
         if "step" not in trainer.export_meta:  # final/'s meta says it holds the average (best/'s says so of its own)
             meta.update(self.averaged())
-        with self.published(trainer, trainer.raw_model):
+        with full_layout(trainer.raw_model), self.published(trainer, trainer.raw_model):  # every expert, every rank
             model = self.export_model(trainer.raw_model)
             return export_model(model, final, config=meta["config"], codec=self.codec, meta=meta)
 
@@ -255,6 +257,9 @@ def resume_source(resume: str, run_dir: Path):
 # %% ../../nbs/11a_train_builder.ipynb #ecfafcb1
 def check_start(cfg: Config, source, fingerprint: str, hooks: StageHooks, world_size: int):
     "Refuse a resume or a stage start that cannot work, before any model is built."
+    for ok, msg in expert_parallel_rules(cfg, world_size):  # the layout's rules, now with the number of ranks
+        if not ok:
+            raise ConfigError(msg)
     if source is not None:
         meta = ck.read_meta(source)
         hooks.check_resume(meta)  # a stage's own, clearer refusals first
@@ -364,6 +369,7 @@ def build_callbacks(cfg: Config, model, plan, record, average, hooks, run_dir, e
     has_bp = any(isinstance(m, BoundaryPredictor) for m in raw.modules())
     sampler = GPUUtilization(device).start() if device.type == "cuda" else None
     return [
+        *([raw.expert_parallel] if hasattr(raw, "expert_parallel") else []),  # the split experts' gradients first
         *([BoundarySchedule(raw, curriculum.bp_mode, cfg.optim.bp_freeze_steps)] if has_bp else []),
         curriculum,
         Utilization(flops_per_token(cfg.model, cfg.training.seq_len), device_peak_flops(device), sampler),

@@ -263,13 +263,15 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip or float("inf"))  # 0: no clipping
+        split = getattr(self.raw_model, "expert_parallel", None)  # split experts: each counted once over its group
+        clip_norm = torch.nn.utils.clip_grad_norm_ if split is None else split.clip_grad_norm_
+        norm = clip_norm(params, self.cfg.optim.grad_clip or float("inf"))  # 0: no clipping
         if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
             norm = norm.full_tensor()
         for key, group in self.clip_groups.items():
             group = [p for p in group if p.grad is not None]
             if group:
-                torch.nn.utils.clip_grad_norm_(group, self.cfg.optim.clip_groups[key])
+                clip_norm(group, self.cfg.optim.clip_groups[key])
         return norm
 
     def skip_step(self):

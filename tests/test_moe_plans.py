@@ -1,0 +1,255 @@
+"""Loss-free balancing under every plan, each against a hand count: the tokens each MoE block saw in a step's forwards
+(not the recomputations of a checkpointed backward), routed again one token at a time with the block's router weights
+and bias and counted, are the load the step applies, and the bias ends where `apply_load` of those counts moves a fresh
+block's copy of it. Plans: selective and full activation checkpointing, a stack mixing dense and MoE layers, a
+recurrent core (every loop's tokens count, the loops without gradients too), FSDP2 over two gloo ranks, a stopped and
+resumed run; and the bookkeeping reads no value on the host. Weight averaging averages the biases with the weights:
+nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
+
+import dataclasses
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_weights
+
+from cipher_nb.config.load import ModelConfig, load_config
+from cipher_nb.core import DistEnv
+from cipher_nb.model.lm import CipherModel
+from cipher_nb.model.moe import MoE, update_moe_biases
+from cipher_nb.optim.parallel import parallelize
+
+TINY = [
+    "model.d_model=32",
+    "model.attention.n_heads=2",
+    "model.attention.n_kv_heads=1",
+    "model.attention.head_dim=16",
+    "model.n_layers=3",  # the first dense (model.moe.n_dense_layers=1), two MoE
+    "model.moe.n_routed=4",
+    "model.moe.top_k=2",
+    "model.moe.expert_d_ff=32",
+    "training.device=cpu",
+]
+RECURRENT = [  # a dense prelude, an MoE core looped three times (the first without gradients), an MoE coda
+    *TINY,
+    "model.recurrence.n_prelude=1",
+    "model.recurrence.n_core=1",
+    "model.recurrence.n_coda=1",
+    "model.recurrence.n_loops=3",
+    "model.recurrence.backprop_loops=2",
+]
+PLANS = {  # overrides, then the forwards each MoE block runs per micro-batch (main layer index: count)
+    "selective": ([*TINY, "training.activation_checkpoint=selective"], {1: 1, 2: 1}),
+    "full": ([*TINY, "training.activation_checkpoint=full"], {1: 1, 2: 1}),
+    "mixed": ([*TINY, "model.n_layers=5", "model.moe.n_dense_layers=2"], {2: 1, 3: 1, 4: 1}),
+    "recurrent": (RECURRENT, {1: 3, 2: 1}),
+    "recurrent-selective": ([*RECURRENT, "training.activation_checkpoint=selective"], {1: 3, 2: 1}),
+}
+
+
+def hand_counts(moe: MoE, x) -> list:
+    "Each expert's assignments for the tokens x [..., d], each token's top-k picked in a plain loop."
+    m, w = moe.cfg.moe, moe.router.weight
+    w = w.full_tensor() if hasattr(w, "full_tensor") else w  # FSDP2: whole in a block's forward, a shard outside it
+    logits = F.linear(x.detach().reshape(-1, x.shape[-1]).float(), w.detach().float())  # [N, E], as the block routes
+    scores = logits.sigmoid() if m.router_score == "sigmoid" else logits.softmax(-1)
+    counts = [0] * m.n_routed
+    for row in (scores + moe.expert_bias.float()).tolist():
+        for e in sorted(range(m.n_routed), key=lambda e: -row[e])[: m.top_k]:  # ties to the lower index
+            counts[e] += 1
+    return counts
+
+
+class HandCount:
+    "Pre-forward hooks on every MoE block: the tokens of each forward while `on`, hand counted by `flush`."
+
+    def __init__(self, model):
+        self.blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+        self.on, self.seen = False, []
+        for i, (_, m) in enumerate(self.blocks):
+            m.register_forward_pre_hook(partial(self.hook, i))
+        self.reset()
+
+    def reset(self):
+        self.counts = [[0] * m.cfg.moe.n_routed for _, m in self.blocks]
+        self.calls = [0] * len(self.blocks)
+
+    def hook(self, i, mod, args):
+        # only a reference: an op here would run inside selective checkpointing's record of the forward
+        if self.on:
+            self.seen.append((i, args[0]))
+
+    def flush(self):
+        "Add the hand counts of the forwards seen since the last flush (weights and biases unchanged since)."
+        for i, x in self.seen:
+            self.counts[i] = [a + b for a, b in zip(self.counts[i], hand_counts(self.blocks[i][1], x))]
+            self.calls[i] += 1
+        self.seen = []
+
+
+def build(overrides, rank: int = 0, world: int = 1):
+    "The model of `overrides` (the same weights on every rank), placed as its training section asks."
+    cfg = load_config(None, overrides)
+    torch.manual_seed(0)
+    model = CipherModel(cfg.model).train()
+    counter = HandCount(model)  # before FSDP2: its hooks see the blocks as they run
+    model, _ = parallelize(model, cfg.training, DistEnv(rank, world), torch.device("cpu"))
+    return model, counter
+
+
+def batches(rank: int = 0, steps: int = 2, micro: int = 2):
+    "Each step's micro-batches of token ids, different on every rank."
+    g = torch.Generator().manual_seed(10 + rank)
+    return [[torch.randint(0, 256, (2, 24 + 8 * rank), generator=g) for _ in range(micro)] for _ in range(steps)]
+
+
+def train(model, counter, steps) -> list:
+    "Optimizer steps as the trainer runs them, the biases updated after each: what each step counted and moved."
+    opt, out = torch.optim.SGD(model.parameters(), lr=0.5), []
+    for step, micro in enumerate(steps, 1):
+        counter.reset()
+        before = [m.expert_bias.clone() for _, m in counter.blocks]
+        for x in micro:
+            counter.on = True
+            res = model(x, labels=x)
+            counter.on = False  # a checkpointed block runs again in the backward: not a forward of the step
+            counter.flush()
+            (res.loss + sum(res.aux.values())).backward()
+        pending = [m.pending_load.tolist() for _, m in counter.blocks]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert update_moe_biases(model, step) == len(counter.blocks)
+        after = [m.expert_bias.clone() for _, m in counter.blocks]
+        out.append(dict(hand=counter.counts, calls=counter.calls, pending=pending, before=before, after=after))
+    return out
+
+
+def expected_bias(cfg, before, counts, step: int):
+    "The bias a fresh block of model config `cfg` with bias `before` holds after `apply_load` of `counts` at `step`."
+    ref = MoE(cfg)
+    with torch.no_grad():
+        ref.expert_bias.copy_(before)
+    ref.apply_load(torch.tensor(counts), step)
+    return ref.expert_bias
+
+
+CASES = [(p, True) for p in PLANS] + [(p, False) for p, (o, _) in PLANS.items() if any("checkpoint=" in a for a in o)]
+
+
+@pytest.mark.parametrize("plan,early_stop", CASES)
+def test_every_block_counts_each_token_once(plan, early_stop):
+    """Each MoE block's load is the hand count of its forwards (each loop of a core), and its bias moves by it. A
+    checkpointed backward stops recomputing once it has what it needs (early stop, the default), before the count;
+    without the early stop it recomputes the whole forward, the count too, which must not count again."""
+    overrides, runs = PLANS[plan]
+    model, counter = build(overrides)
+    assert [int(n.split(".")[1]) for n, _ in counter.blocks] == list(runs)  # the MoE layers, the dense ones skipped
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        steps = train(model, counter, batches())
+    for step, s in enumerate(steps, 1):
+        assert s["calls"] == [2 * n for n in runs.values()]  # two micro-batches, each loop of the core once
+        for (name, m), hand, pending, before, after in zip(
+            counter.blocks, s["hand"], s["pending"], s["before"], s["after"]
+        ):
+            assert pending == hand, (plan, step, name)
+            assert sum(hand) == 2 * 2 * 24 * m.cfg.moe.top_k * runs[int(name.split(".")[1])]
+            assert not torch.equal(after, before), (plan, step, name)  # every block updates
+            assert torch.equal(after, expected_bias(m.cfg, before, hand, step)), (plan, step, name)
+
+
+FSDP = [*TINY, "training.parallel=fsdp", "training.activation_checkpoint=selective"]
+
+
+def _fsdp_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, counter = build(FSDP, rank, world)
+        assert type(model.layers[1].ffn.router.weight).__name__ == "DTensor"  # sharded
+        steps = train(model, counter, batches(rank))
+        torch.save(dict(names=[n for n, _ in counter.blocks], steps=steps), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_ranks_end_each_step_with_the_same_biases():
+    "FSDP2 (with selective checkpointing) on two gloo ranks: after each step both hold the bias of both ranks' counts."
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_fsdp_worker, args=(2, f"{d}/init", d), nprocs=2, join=True)
+        ranks = [torch.load(Path(d) / f"rank{r}.pt") for r in range(2)]
+    cfg = load_config(None, FSDP).model
+    assert ranks[0]["names"] == ranks[1]["names"] == ["layers.1.ffn", "layers.2.ffn"]
+    for step, (a, b) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"]), 1):
+        assert a["pending"] == a["hand"] and b["pending"] == b["hand"]  # each rank counted its own tokens
+        assert a["hand"] != b["hand"]  # ranks saw different tokens
+        for layer in range(2):
+            assert torch.equal(a["before"][layer], b["before"][layer])
+            assert torch.equal(a["after"][layer], b["after"][layer])  # the ranks agree, bit for bit
+            both = [x + y for x, y in zip(a["hand"][layer], b["hand"][layer])]
+            assert torch.equal(a["after"][layer], expected_bias(cfg, a["before"][layer], both, step)), (step, layer)
+            assert not torch.equal(a["after"][layer], a["before"][layer])
+
+
+@pytest.fixture
+def one_thread():
+    "One intra-op thread, as conftest's `straight_run` trains (OMP_NUM_THREADS=1): the same sums, bit for bit."
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
+def biases(run, step: int) -> dict:
+    "The balancing biases in a run's checkpoint of `step`, by name."
+    from cipher_nb.persist.files import load_checkpoint
+
+    model = load_checkpoint(run / f"checkpoints/step_{step:07d}")["model"]
+    return {k: v for k, v in model.items() if k.endswith("expert_bias")}
+
+
+def test_biases_resume_bit_exactly(straight_run, tmp_path, one_thread):
+    "Stopped by SIGTERM after a step and resumed: the biases of every step checkpoint are the uninterrupted run's."
+    from cipher_nb.train.cli import cipher_train
+
+    run = tmp_path / "stopped"
+    r = run_in_process(
+        cipher_train, "--out", run, "--quiet", *RESUME, "--fault", f"sigterm@{RESUME_EVERY}", pos=["config"]
+    )
+    assert r.returncode == 0 and not (run / "final").exists(), r.stderr[-2000:]
+    r = run_in_process(cipher_train, "--out", run, "--quiet", "--resume", "auto", *RESUME, pos=["config"])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+    for step in (RESUME_EVERY, RESUME_STEPS):
+        want, got = biases(straight_run, step), biases(run, step)
+        assert want and same_weights(got, want), step
+    first, last = biases(run, RESUME_EVERY), biases(run, RESUME_STEPS)
+    assert all(b.abs().sum() > 0 and not torch.equal(b, last[k]) for k, b in first.items())  # they moved, and on
+
+
+def test_bookkeeping_reads_no_value_on_the_host():
+    """Under FakeTensorMode, where tensors have shapes but no values, a training forward and backward of the grouped
+    path (the one without a sync by design), the load count and the bias update run: nothing read a value on the host
+    (`.item()`, a data-dependent shape), which would raise, as the `bmm` path's capacity does."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    cfg = ModelConfig()  # the tiny-cpu preset's block
+    moe = dataclasses.replace(cfg.moe, impl="grouped", balance_loss_weight=1e-3, n_pop_a=2)
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # grouped_mm's shape function asks for bf16
+    try:
+        with FakeTensorMode():
+            m = MoE(dataclasses.replace(cfg, moe=moe)).train()
+            x = torch.randn(2, 16, cfg.d_model, requires_grad=True)
+            for _ in range(2):  # two micro-batches
+                y, aux, _ = m(x)
+                ((y.float() ** 2).mean() + sum(aux.values())).backward()
+            assert m.kernel == "grouped" and m.pending_load.shape == (moe.n_routed,)
+            assert update_moe_biases(m, 1) == 1
+            with pytest.raises(DataDependentOutputException):  # what a sync meets here
+                MoE(dataclasses.replace(cfg, moe=dataclasses.replace(moe, impl="bmm"))).train()(x)
+    finally:
+        torch.set_default_dtype(was)
