@@ -97,7 +97,7 @@ class MoEConfig:
     bias_gamma: float = 1e-3  # DeepSeek-V3's rate: the bias moves this much per optimizer step
     bias_boost_steps: int = 0  # the first optimizer steps at BIAS_BOOST (10) times bias_gamma; 0 = never
     bias_rule: BiasRule = "overload"  # sign: DeepSeek-V3's step; overload: beyond twice the mean load, faster
-    bias_travel: float = 0.3  # a short run's rate: at least bias_travel / its planned steps; 0 = bias_gamma always
+    bias_travel: float = 0.6  # a short run's rate: at least bias_travel / its planned steps; 0 = bias_gamma always
     z_loss_weight: float = 1e-3
     balance_loss_weight: float = 0.0  # off by default since bias balancing is on (the runbook used 1e-3)
     n_pop_a: int = 0  # experts [0, n_pop_a) form population A, the rest B; 0 = one population
