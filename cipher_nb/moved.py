@@ -78,7 +78,7 @@ OLD_HOMES = {  # old module under cipher_nb -> the modules its public names live
     ),
     "trainer": ("train.trainer", "train.schedule"),
     "viz": ("viz.plots", "eval.experiments", "viz.dashboard"),
-    "viz.plots": ("eval.experiments",),
+    "viz.plots": ("eval.experiments", "monitor.health"),
 }
 
 # %% ../nbs/00c_moved.ipynb #c9c095d5

@@ -34,3 +34,30 @@ sys.exit(0 if d.source != "shards" and not d.phases else 1)' "$config" "$@" || r
   [ -f "$out/manifest.json" ] || run cipher-data prepare "$config" "$@" --out "$out" --procs "$(nproc)" --wait --quiet >&2
   echo "$out"
 }
+# torchrun, with a stop signal passed on once and a clean stop exiting 0. The launcher takes SIGTERM, SIGINT and SIGHUP
+# and passes each to torchrun, which runs in a session of its own: a signal to the launcher's process group (a
+# scheduler's, Ctrl-C) would otherwise reach every worker twice, from the group and from torchrun, and a second signal
+# makes cipher-train exit at once instead of saving. torchrun passes it to each worker and then exits 1 with a
+# traceback however they ended; when the run saved its stop checkpoint during this launch (launch/stopped_cleanly.py),
+# the launch exits 0, as cipher-train alone does. Any other exit, or a stop that saved nothing, keeps torchrun's code.
+# $1: the run directory; the rest: torchrun's arguments.
+launch_torchrun() {
+  local out="$1"; shift
+  if [ -n "${DRY_RUN:-}" ]; then run torchrun "$@"; return; fi
+  local before rc=0 found
+  before="$("$PY" "$HERE/stopped_cleanly.py" "$out")"
+  STOP_SIGNAL=""
+  setsid torchrun "$@" &
+  TORCHRUN=$!
+  for s in TERM INT HUP; do trap "STOP_SIGNAL=$s; kill -$s \$TORCHRUN 2>/dev/null" "$s"; done
+  while true; do  # a trapped signal ends `wait` early: wait again until torchrun has exited
+    rc=0; wait "$TORCHRUN" || rc=$?
+    kill -0 "$TORCHRUN" 2>/dev/null || break
+  done
+  trap - TERM INT HUP
+  if [ "$rc" -ne 0 ] && [ -n "$STOP_SIGNAL" ] && found="$("$PY" "$HERE/stopped_cleanly.py" "$out" "$before")"; then
+    echo "launch: torchrun exited $rc after SIG$STOP_SIGNAL, and the run stopped cleanly ($found): exit 0" >&2
+    return 0
+  fi
+  return "$rc"
+}

@@ -33,6 +33,6 @@ run "$PY" "$HERE/preflight.py" "$CONFIG" "${SETTINGS[@]}" --gpus "$NPROC" --out 
 # the checkpointer mirrors RUN_DIR/checkpoints to PERSIST/<name of RUN_DIR>/checkpoints; `auto` unless only the
 # mirror holds the newest checkpoint (a fresh shared volume)
 RESUME="$(resume_source "$OUT" "$PERSIST/$(basename "$OUT")")"
-run torchrun --nnodes="$NNODES" --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" \
+launch_torchrun "$OUT" --nnodes="$NNODES" --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" \
   --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$JOB_ID" --no-python \
   cipher-train "$CONFIG" "${SETTINGS[@]}" --out "$OUT" --resume "$RESUME" --quiet ${EXTRA[@]+"${EXTRA[@]}"}

@@ -23,5 +23,5 @@ if [ -n "$SHARDS_DIR" ]; then SETTINGS+=("data.source=shards" "data.path=$SHARDS
 run "$PY" "$HERE/preflight.py" "$CONFIG" "${SETTINGS[@]}" --gpus "$NPROC" --out "$OUT" ${PREFLIGHT_ARGS:-}
 # the checkpointer mirrors RUN_DIR/checkpoints to PERSIST/<name of RUN_DIR>/checkpoints
 RESUME="$(resume_source "$OUT" "$PERSIST/$(basename "$OUT")")"
-run torchrun --standalone --nproc_per_node="$NPROC" --no-python \
+launch_torchrun "$OUT" --standalone --nproc_per_node="$NPROC" --no-python \
   cipher-train "$CONFIG" "${SETTINGS[@]}" --out "$OUT" --resume "$RESUME" --quiet

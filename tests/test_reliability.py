@@ -217,6 +217,54 @@ CONFIG = [
 ]
 
 
+CONFIG += [  # issue 52, round two: the key or file named, and what to do
+    usage(
+        "a shards manifest that is not JSON",
+        *TINY,
+        "data.source=shards",
+        "data.path={tmp}/shards",
+        says="shards/manifest.json is not a shards manifest: prepare it again with",
+        prepare=_write("shards/manifest.json", "{"),
+    ),
+    usage(
+        "a text file given as shards",
+        *TINY,
+        "data.source=shards",
+        "data.path={tmp}/notes.txt",
+        says="is a file, not a folder of prepared shards: train on it with data.source=files",
+        prepare=_write("notes.txt", "plain text\n"),
+    ),
+    usage(
+        "an old and a new name of one key", *TINY, "training.lr=1e-3", "schedule.lr=2e-3", says="keep only schedule.lr"
+    ),
+]
+
+
+def _planned(*args) -> Result:
+    from cipher_nb.train.plan import cipher_plan
+
+    with deadline(60):  # a micro-batch traced without a bound runs for hours
+        r = run_in_process(cipher_plan, *args, pos=["path"])
+    return Result(r.returncode, r.stderr, r.stdout)
+
+
+def _short_run(tmp, base):
+    r = in_process("--out", tmp / "run", "--quiet", "--max-steps", "2", *TINY)  # its 2 warmup steps: cut to 0
+    assert "DO NOT skip warmup" not in r.err, r.err[-2000:]  # not for the warmup the run itself shortened
+    return r
+
+
+CONFIG += [
+    Case(
+        "cipher-plan of a mistyped micro-batch",
+        lambda tmp, base: _planned("examples/configs/tiny-cpu.yaml", "training.batch_size=100000"),
+        2,
+        "256",
+    ),
+    Case("a run under 10 steps has no warmup", _short_run, 0, "no warmup (a run under 10 steps", one_line=False),
+]
+
+
 def _out_is_a_file(tmp, base):
     (tmp / "run").write_text("my notes")
     return in_process("--out", tmp / "run", "--quiet", *TINY)
@@ -733,7 +781,7 @@ def test_reliability(case, base, tmp_path):
     assert "Traceback" not in r.err, f"{case.id}: a traceback\n{r.err[-3000:]}"
     if case.one_line:  # an error: its one line is the last, and names the bad thing
         assert case.says in r.last, f"{case.id}: the last line does not say {case.says!r}:\n{r.err[-2000:]}"
-        assert r.last.startswith(("cipher-train: ", "cipher-eval: ", "cipher-export: ")), r.err[-2000:]
+        assert r.last.startswith(("cipher-train: ", "cipher-eval: ", "cipher-export: ", "cipher-plan: ")), r.err[-2000:]
     else:
         assert case.says in r.err + r.out, f"{case.id}: the output does not say {case.says!r}:\n{r.err[-2000:]}"
     if case.check:

@@ -2,14 +2,18 @@
 a lost rank restarted by torchrun --max-restarts, the single-process supervisor (launch/supervise.sh), and
 background sharded (FSDP2) checkpoints. Every check compares against an uninterrupted run or a blocking save."""
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import ONE_THREAD, RESUME, RESUME_EVERY, ROOT, SMALL_MODEL, run_cli
@@ -98,7 +102,16 @@ def two_nodes(shared: Path, job: str, *extra, fault_on_second: str = "", max_res
     finally:
         for p in nodes:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                end_launch(p)
+
+
+def end_launch(p: subprocess.Popen):
+    "SIGKILL a launch script's process group and its torchrun's, which runs in a session of its own."
+    inner = psutil.Process(p.pid).children(recursive=True)
+    os.killpg(p.pid, signal.SIGKILL)
+    for c in inner:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            c.kill()
 
 
 def test_two_nodes_on_one_machine_end_like_one_launch(tmp_path, one_launch):
@@ -127,6 +140,48 @@ def test_a_rank_killed_mid_run_restarts_the_group_to_the_same_end(tmp_path, one_
     assert "no complete checkpoint" in errs  # the first attempt started at step 0 with the same --resume auto
     assert f"resumed from {tmp_path}/runs/lost-rank/checkpoints/step_{EVERY:07d} at step {EVERY}" in errs, errs[-4000:]
     assert same_weights(weights(tmp_path / "runs/lost-rank"), one_launch)
+
+
+def test_train_node_stopped_by_sigterm_exits_0(tmp_path):
+    """SIGTERM to launch/train_node.sh's process group (a scheduler's stop, Ctrl-C) reaches each worker once; the run
+    saves its stop checkpoint, torchrun exits 1 as it does after any signal, and the launch exits 0."""
+    env = {**ENV, "NPROC": "1", "PERSIST": str(tmp_path / "persist"), "RUN_NAME": "stop", "OUT": str(tmp_path / "run")}
+    env |= {"SHARDS": "0", "PREFLIGHT_ARGS": "--skip-gpu --skip-plan"}
+    cmd = ["bash", str(ROOT / "launch/train_node.sh"), *RESUME, "schedule.max_steps=100000", "training.device=cpu"]
+    p = subprocess.Popen(
+        cmd, env={**os.environ, **env}, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        first = tmp_path / f"run/checkpoints/step_{RESUME_EVERY:07d}/COMPLETE"
+        for _ in range(1200):  # training, past its first checkpoint
+            if first.exists() or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        os.killpg(p.pid, signal.SIGTERM)
+        err = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            end_launch(p)
+    assert p.returncode == 0, err[-3000:]
+    assert err.count("SIGTERM received") == 1, err[-3000:]  # once: not from the group and again from torchrun
+    assert "after SIGTERM, and the run stopped cleanly" in err and "resume with" in err, err[-3000:]
+
+
+def test_a_stop_that_saved_nothing_keeps_torchruns_code(tmp_path):
+    "launch/stopped_cleanly.py: only a stop checkpoint written during the launch maps torchrun's exit to 0."
+    sys.path.insert(0, str(ROOT / "launch"))
+    from stopped_cleanly import stop_checkpoint
+
+    from cipher_nb.persist.marker import write_marker
+
+    ckpt = tmp_path / "run/checkpoints/step_0000004"
+    ckpt.mkdir(parents=True)
+    for tag, before, stopped in [("step", "", False), ("emergency", str(ckpt), False), ("emergency", "", True)]:
+        (ckpt / "meta.json").write_text(json.dumps({"tag": tag, "step": 4}))
+        (ckpt / "state.pt").write_bytes(b"state")
+        write_marker(ckpt)
+        assert stop_checkpoint(str(tmp_path / "run"), before) == (str(ckpt) if stopped else ""), (tag, before)
 
 
 def supervise(*args, max_restarts=2):

@@ -34,10 +34,6 @@ class ConfigError(ValueError):
     "A config that cannot be used; the message names the key(s) and what to do."
 
 
-def _type_name(t) -> str:
-    return getattr(t, "__name__", str(t))
-
-
 def _choose(value, opts, key: str):
     "`value` if it is one of the `Literal`'s `opts`, else a `ConfigError` naming `key` and the choices."
     if isinstance(value, str) and value in opts:
@@ -49,7 +45,7 @@ def _coerce(value, typ, key: str):
     "Return `value` as `typ`, or raise a `ConfigError` naming `key` and the expected type."
 
     def bad():
-        return ConfigError(f"{key}: expected {_type_name(typ)}, got {type(value).__name__} {value!r}")
+        return ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {type(value).__name__} {value!r}")
 
     if typing.get_origin(typ) is Literal:
         return _choose(value, typing.get_args(typ), key)
@@ -541,7 +537,7 @@ def runbook_warnings(model: ModelConfig, schedule: ScheduleConfig, precision: st
     if model.moe.n_routed == 0:
         return []  # a dense model: no router to protect
     out = []
-    if schedule.warmup_steps == 0:
+    if schedule.warmup_steps == 0 and not schedule.warmup_frac and not 0 < schedule.max_steps < 10:
         out.append(
             "schedule.warmup_steps = 0 on an MoE: the cipher-training runbook says DO NOT skip warmup "
             "(routers need warmup before the full learning rate)"
@@ -575,15 +571,17 @@ def _override_value(text: str):
 
 def apply_overrides(d: dict, overrides) -> dict:
     "Return a copy of the nested dict `d` (old flat keys moved) with each `section.key=value` override applied."
-    d = upgrade_keys(d)
+    d, given = upgrade_keys(d), {}  # given: each key set so far -> the name it was given by
     for o in overrides or ():
         if "=" not in o or "." not in o.split("=", 1)[0]:
             raise ConfigError(f"override '{o}' is not of the form section.key=value (e.g. model.moe.top_k=4)")
-        key, val = o.split("=", 1)
-        key, val = key.strip(), _override_value(val)
-        key = key if isinstance(val, dict) else LEGACY_KEYS.get(key, key)
+        written, val = o.split("=", 1)
+        written, val = written.strip(), _override_value(val)
+        key = written if isinstance(val, dict) else LEGACY_KEYS.get(written, written)
         *path, leaf = key.split(".")
         leaf = ROLE_ALIASES.get(leaf, leaf) if ".".join(path) in ROLE_KEYED else leaf
+        if (first := given.setdefault(new := ".".join([*path, leaf]), written)) != written:  # as a preset refuses it
+            raise ConfigError(f"{first} and {written} are both given: keep only {new}")
         *up, last = path
         parent = _node(d, up)
         if parent.get(last) is None and (default := _mapping_default(path)) is not None:

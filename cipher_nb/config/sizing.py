@@ -197,7 +197,12 @@ def prepared_tokens(data: DataConfig) -> int:
     f = Path(data.path).expanduser() / "manifest.json"  # the format: cipher_nb.data.shards (a later band)
     if data.source != "shards" or not f.is_file():
         return 0
-    return int(json.loads(f.read_text()).get("tokens", {}).get("train", 0))
+    try:
+        return int(json.loads(f.read_text()).get("tokens", {}).get("train", 0))
+    except (ValueError, UnicodeDecodeError, AttributeError, TypeError):  # not JSON, or not a manifest's shape
+        raise ConfigError(
+            f"{f} is not a shards manifest: prepare it again with: cipher-data prepare PRESET --out {data.path}"
+        ) from None
 
 # %% ../../nbs/01d_config_sizing.ipynb #ae4acf9c
 def horizon_key(s: ScheduleConfig) -> str:

@@ -8,7 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_sources.html.md"""
 __all__ = ['SOURCE_KINDS', 'COMMIT_RE', 'HF_ROWS', 'HF_MAX_SKIP', 'HELDOUT_SOURCE', 'SourceSpec', 'source_specs',
            'UnpinnedWarning', 'is_commit', 'unpinned_sources', 'pin_hint', 'warn_unpinned', 'DataError', 'seed_of',
            'ListStream', 'HFStream', 'is_streamed', 'open_stream', 'heldout_mode', 'split_sources', 'has_heldout',
-           'source_documents', 'prepare_sources', 'check_trainable', 'prepared_hash', 'data_manifest',
+           'source_documents', 'prepare_sources', 'check_trainable', 'manifest_file', 'prepared_hash', 'data_manifest',
            'data_fingerprint']
 
 # %% ../../nbs/02_data_sources.ipynb #cbf0edc8
@@ -589,15 +589,23 @@ def _codec_manifest(d: DataConfig) -> dict:
     return dict(kind=d.codec, tokenizer=_content_hash(str(p), (s := p.stat()).st_size, s.st_mtime))
 
 # %% ../../nbs/02_data_sources.ipynb #65cf9845
+def manifest_file(path) -> Path:
+    "The manifest of the prepared directory `path`; a `DataError` naming what `path` is instead."
+    p = Path(path).expanduser()
+    if (p / "manifest.json").is_file():
+        return p / "manifest.json"
+    if p.is_file():
+        raise DataError(
+            f"data.path = '{path}' is a file, not a folder of prepared shards: train on it with data.source=files, "
+            f"or prepare it with: cipher-data prepare PRESET data.source=files data.path={path} --out FOLDER"
+        )
+    what = "does not exist" if not p.exists() else "holds no prepared shards (no manifest.json)"
+    raise DataError(f"data.path = '{path}' {what}: prepare it with: cipher-data prepare PRESET --out {path}")
+
+# %% ../../nbs/02_data_sources.ipynb #6e27a8b8
 def prepared_hash(path) -> str:
     "SHA-256 of a prepared directory's manifest (which names every shard's hash); a `DataError` without one."
-    f = Path(path).expanduser() / "manifest.json"
-    if not f.is_file():
-        raise DataError(
-            f"data.path = '{path}' holds no prepared shards (no manifest.json): prepare it with: "
-            f"cipher-data prepare PRESET --out {path}"
-        )
-    return hashlib.sha256(f.read_bytes()).hexdigest()
+    return hashlib.sha256(manifest_file(path).read_bytes()).hexdigest()
 
 # %% ../../nbs/02_data_sources.ipynb #b09decda
 def data_manifest(data: DataConfig) -> dict:

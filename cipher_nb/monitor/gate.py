@@ -25,7 +25,10 @@ from cipher_nb.monitor.health import (
     ENGRAM_MIN_GATE,
     GRAD_NORM_SPAN,
     HALT_COLLAPSE_FRAC,
+    LOADS_FILE,
     as_number,
+    attach_loads,
+    layer_loads,
     loss_keys,
     nonfinite,
     over_limit,
@@ -102,9 +105,10 @@ def gate_finite(rows: list, m: MonitorConfig) -> GateLine:
 # %% ../../nbs/07a_monitor_gate.ipynb #3f919481
 def _expert_loads(rows: list, layer: int) -> dict:
     "Each expert's load over the last quarter, by expert index (empty: no per-expert loads logged)."
-    pat = re.compile(rf"router/layer{layer}_load_(\d+)")
-    experts = sorted({int(g.group(1)) for r in rows for k in r if (g := pat.fullmatch(k))})
-    return {e: _tail_mean([v for _, v in _points(rows, f"router/layer{layer}_load_{e}")] or [0.0]) for e in experts}
+    per_row = [v for r in rows if (v := layer_loads(r, layer))]
+    n = max(map(len, per_row), default=0)
+    cols = [[x for v in per_row if e < len(v) and (x := as_number(v[e])) is not None] for e in range(n)]
+    return {e: _tail_mean(c or [0.0]) for e, c in enumerate(cols)}
 
 # %% ../../nbs/07a_monitor_gate.ipynb #0a629914
 def _utilisation(rows: list, layer: int) -> float | None:
@@ -308,7 +312,7 @@ def read_metrics(path) -> list:
         rows.append(row)
     if not rows:
         raise ValueError(f"'{p}' holds no metrics: the run has not logged yet (it logs every training.log_every steps)")
-    return rows
+    return attach_loads(rows, p.with_name(LOADS_FILE))
 
 # %% ../../nbs/07a_monitor_gate.ipynb #31486850
 GATE_FILE = "gate.json"

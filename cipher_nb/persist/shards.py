@@ -108,10 +108,10 @@ def prepared_already(root: Path, prepared_from: str, dtype) -> dict | None:
     "The manifest of a finished prepare of the same data whose every shard still matches its record; else None."
     try:
         m = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError):
+        shards = m.get("shards") or []
+        same = all(r.get("prepared_from") == prepared_from and not check_shard(root, r, dtype) for r in shards)
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):  # none, or a broken one: prepare again
         return None
-    shards = m.get("shards") or []
-    same = all(r.get("prepared_from") == prepared_from and not check_shard(root, r, dtype) for r in shards)
     return m if shards and same else None
 
 # %% ../../nbs/09e_persist_shards.ipynb #60d0214e
@@ -237,7 +237,7 @@ def prepare_shards(
     "Tokenize `data`'s documents into shards under `out` with `procs` processes; write and return the manifest."
     root = Path(out).expanduser()
     check_out(root, force)
-    created = not root.exists()
+    created = next((d for d in reversed([root, *root.parents]) if not d.exists()), None)  # the first folder made
     root.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(root, wait=wait_lock), stop_on_signals():  # one prepare at a time; the with takes it once
@@ -246,7 +246,7 @@ def prepare_shards(
         raise
     except BaseException:
         if created and not any(root.glob("*.json")):  # refused or failed before a shard was finished: leave nothing
-            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(created, ignore_errors=True)
         raise
 
 # %% ../../nbs/09e_persist_shards.ipynb #398530e8

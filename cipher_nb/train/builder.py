@@ -52,7 +52,7 @@ from ..model.boundary import BoundaryPredictor
 from ..model.lm import CipherModel
 from ..model.moe import MoE, update_moe_biases
 from ..model.roles import params_with_role
-from ..monitor.health import MonitorCallback, Utilization
+from ..monitor.health import LOADS_FILE, MonitorCallback, Utilization
 from ..monitor.metrics import GPUUtilization, device_peak_flops, heldout_metrics
 from ..optim.ema import WeightAverage, averaged_eval, weight_average
 from ..optim.expert_parallel import full_layout
@@ -453,7 +453,8 @@ def restore(trainer: Trainer, path: Path):
     if res["elastic"]:
         record_elastic(trainer, res["elastic"])
     if trainer.is_main:
-        truncate_metrics(trainer.run_dir / "metrics.jsonl", trainer.step)
+        for log in ("metrics.jsonl", LOADS_FILE):  # the rows, and the per-expert loads of a model with many experts
+            truncate_metrics(trainer.run_dir / log, trainer.step)
         print(f"resumed from {path} at step {trainer.step}", file=sys.stderr)
 
 

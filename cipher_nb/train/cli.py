@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_cli.html.md"""
 # %% auto #0
 __all__ = ['one_line_warning', 'exit_with', 'is_out_of_memory', 'smaller_batch', 'oom_advice', 'is_disk_full', 'disk_full_advice',
            'shutdown_distributed', 'needs_tokenizer', 'claim_for_writing', 'failure', 'stopped_before_start',
-           'cipher_train']
+           'start_line', 'cipher_train']
 
 # %% ../../nbs/11b_train_cli.ipynb #b63b18c4
 import argparse
@@ -178,6 +178,15 @@ def stopped_before_start(e: StopRequested, run_dir: Path, removed: bool) -> str:
         return f"{e}; nothing was saved and the new run directory {run_dir} was removed"
     return f"{e}; {run_dir} is as it was (resume with: cipher-train --out {run_dir} --resume auto)"
 
+# %% ../../nbs/11b_train_cli.ipynb #6224ca2f
+def start_line(plan, budget: str, run_dir: Path) -> str:
+    "What `cipher-train` starts with: the steps and what set them (or the time budget), and where it writes."
+    n = plan.horizon
+    if not n:
+        return f"training for {budget} (the steps are planned from their measured cost), run directory: {run_dir}"
+    none = ", no warmup (a run under 10 steps has none to give)" if n < 10 and not plan.warmup_steps else ""
+    return f"training {n} steps ({plan.source}){none}, run directory: {run_dir}"
+
 # %% ../../nbs/11b_train_cli.ipynb #b9f6b0f1
 @command(pos=["config"])
 def cipher_train(
@@ -225,11 +234,7 @@ def cipher_train(
                 print(f"cipher-train: warning: {w}", file=sys.stderr)
             for line in dense_width_lines(cfg.model):
                 print(f"cipher-train: note: {line}", file=sys.stderr)
-            n, budget = plan.horizon, cfg.schedule.time_budget
-            what = (
-                f"{n} steps ({plan.source})" if n else f"for {budget} (the steps are planned from their measured cost)"
-            )
-            print(f"training {what}, run directory: {run_dir}", file=sys.stderr)
+            print(start_line(plan, cfg.schedule.time_budget, run_dir), file=sys.stderr)
         trainer.fit(progress=not quiet, reraise=False)
         stop.at_once = False  # the run is over: nothing left to stop
         summary = run_summary(trainer) if trainer.is_main else ""

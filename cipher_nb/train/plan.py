@@ -380,12 +380,20 @@ def search_micro_batch(trace, traced: dict, limit: float) -> int:
     return best
 
 # %% ../../nbs/10e_train_plan.ipynb #7645d0fa
-def plan_run(m: ModelConfig, t: TrainConfig, optim: OptimConfig, world: int = 8, gpu: str = "h100") -> Plan:
-    "The per-GPU plan of a run on `world` GPUs of kind `gpu`, from fake tensors on this CPU."
+def plan_run(
+    m: ModelConfig, t: TrainConfig, optim: OptimConfig, world: int = 8, gpu: str = "h100", say=lambda line: None
+) -> Plan:
+    "The per-GPU plan of a run on `world` GPUs of kind `gpu`, from fake tensors on this CPU; `say` hears each trace."
+    if t.batch_size > MOST_MICRO_BATCH:  # a trace grows with the micro-batch: a mistyped one would trace for hours
+        raise ConfigError(
+            f"training.batch_size = {t.batch_size:,} is a micro-batch beyond the planner's {MOST_MICRO_BATCH}: give "
+            f"at most {MOST_MICRO_BATCH} sequences per GPU, and training.grad_accum for more tokens a step"
+        )
     cap = capacity_gib(gpu)
     limit = (1 - HEADROOM) * cap
 
     def trace(b):
+        say(f"tracing one step at micro-batch {b}")
         return trace_step(m, t, optim, b, world)
 
     traced = {b: trace(b) for b in sorted({1, max(2, t.batch_size)})}
@@ -467,7 +475,9 @@ def cipher_plan(
         cfg = load_config(path, overrides)
         if gpus < 1:
             raise ConfigError(f"--gpus {gpus}: give at least one")
-        p = plan_run(cfg.model, cfg.training, cfg.optim, gpus, gpu)
+        p = plan_run(
+            cfg.model, cfg.training, cfg.optim, gpus, gpu, lambda s: print(f"cipher-plan: {s}", file=sys.stderr)
+        )
     except ConfigError as e:
         raise CliError(f"cipher-plan: {e}") from None
     print(dumps(p.to_dict()) if json else "\n".join([f"cipher-plan {path or 'defaults'}", *plan_lines(p)]))
@@ -495,7 +505,7 @@ def cached_plan(config_path: Path, world: int, gpu: str, cache: Path) -> dict:
     proc = subprocess.run(
         [*cmd, str(config_path), "--gpus", str(world), "--gpu", gpu, "--json"], capture_output=True, text=True
     )
-    if proc.returncode not in (0, 2):  # 2: planned, and it does not fit
+    if proc.returncode not in (0, 2) or not proc.stdout.strip():  # 2 with a plan: it does not fit; without: refused
         raise RuntimeError(f"cipher-plan failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     plan = loads(proc.stdout.strip().splitlines()[-1])
     write_json_atomic(cache, {"key": key, "plan": plan})

@@ -7,8 +7,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_sft.html.md"""
 # %% auto #0
 __all__ = ['Example', 'supervised_turns', 'render_conversation', 'ChatTemplate', 'load_chat_template', 'encode_spans',
            'render_with_template', 'make_example', 'length_gate', 'SFTData', 'is_heldout_conversation',
-           'qa_conversations', 'build_sft_data', 'pack_best_fit', 'window_arrays', 'pack_examples', 'SFTLoader',
-           'heldout_batches', 'SFTHooks', 'SFTCallback']
+           'qa_conversations', 'duplicates_note', 'build_sft_data', 'pack_best_fit', 'window_arrays', 'pack_examples',
+           'SFTLoader', 'heldout_batches', 'SFTHooks', 'SFTCallback']
 
 # %% ../../nbs/11_train_sft.ipynb #5576dcdb
 import bisect
@@ -215,6 +215,17 @@ def qa_conversations() -> list:
         (f"stdlib-qa:{n}", [dict(role="user", content=q), dict(role="assistant", content=a)]) for n, q, a in stdlib_qa()
     ]
 
+# %% ../../nbs/11_train_sft.ipynb #9d5abdb7
+def duplicates_note(convs: list) -> str:
+    "'' when the conversations of `convs` (`[(name, messages)]`) all differ; else how many are distinct."
+    distinct = len({json.dumps(m, sort_keys=True, ensure_ascii=False) for _, m in convs})
+    if distinct == len(convs):
+        return ""
+    return (
+        f"its {len(convs)} records hold {distinct} distinct conversation(s), and the copies of one are held out "
+        "together (the split hashes the content): remove the duplicates or give more distinct conversations"
+    )
+
 # %% ../../nbs/11_train_sft.ipynb #be9007bf
 def build_sft_data(s: SFTConfig, T: int, codec) -> SFTData:
     "The SFT examples of section `s` for windows of `T` ids: loaded or embedded, rendered, split by hash, length-gated."
@@ -231,6 +242,8 @@ def build_sft_data(s: SFTConfig, T: int, codec) -> SFTData:
     if s.max_train_examples:
         train = train[: s.max_train_examples]
     where = f"sft.data = '{s.data}'" if s.data else "the embedded stdlib Q&A"
+    if (not heldout or not train) and (dup := duplicates_note(convs)):  # not the held-out fraction's doing
+        raise DataError(f"{where}: no {'held-out' if not heldout else 'training'} example: {dup}")
     if not heldout:
         raise DataError(
             f"{where}: no held-out example (sft.heldout_frac = {s.heldout_frac} of {len(convs)}): "

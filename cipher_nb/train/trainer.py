@@ -9,7 +9,6 @@ __all__ = ['StopRequested', 'StopFlag', 'add_stats', 'mean_stats', 'no_sync', 'p
            'Trainer']
 
 # %% ../../nbs/10_train_trainer.ipynb #88aeee64
-import json
 import os
 import signal
 import sys
@@ -28,6 +27,7 @@ from ..config.load import Config
 from ..config.sizing import prepared_tokens
 from ..core import DistEnv, autocast, autocast_dtype, dist_env
 from ..model.roles import clip_groups
+from ..monitor.health import append_row
 from ..monitor.metrics import mem_gb, sum_over_ranks
 from ..optim.optimizers import set_lr
 from .schedule import Schedule
@@ -364,8 +364,7 @@ class Trainer:
         if not self.is_main:
             return
         if self.run_dir:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_row(self.run_dir, row)  # many experts: their loads go to a file beside it
         if bar is not None and "loss" in row:
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_per_s']:,.0f}")
             bar.write(progress_line(row, self.schedule.horizon))

@@ -20,9 +20,8 @@ from matplotlib.figure import Figure
 from ..callbacks import Callback
 from ..config.load import ModelConfig, MonitorConfig
 from ..eval.experiments import is_number
-from ..monitor.health import Threat
+from ..monitor.health import LOADS_KEY, Threat, row_loads
 from cipher_nb.viz.plots import (
-    LOAD_KEY,
     PngFigure,
     load_norm,
     load_run,
@@ -46,12 +45,14 @@ def in_jupyter() -> bool:
 def plot_latest_load(rows: list, ax, limit: float = None):
     "Per-expert load of every MoE layer at the latest row that has it (layers x experts), scaled up to `limit`."
     ax.set_title("expert load (latest)")
-    last = next((r for r in reversed(rows) if any(LOAD_KEY.fullmatch(k) for k in r)), None)
+    last = next((r for r in reversed(rows) if row_loads(r)), None)
     if last is None:
         return note_panel(ax, "no per-expert load logged yet")
-    layers = sorted({int(m.group(1)) for k in last if (m := LOAD_KEY.fullmatch(k))})
-    n = 1 + max(int(m.group(2)) for k in last if (m := LOAD_KEY.fullmatch(k)))
-    grid = np.array([[last.get(f"router/layer{i}_load_{e}", np.nan) for e in range(n)] for i in layers], dtype=float)
+    loads = row_loads(last)
+    layers = sorted(loads)
+    grid = np.full((len(layers), max(map(len, loads.values()))), np.nan)
+    for j, i in enumerate(layers):
+        grid[j, : len(loads[i])] = np.array(loads[i], dtype=float)
     im = ax.imshow(
         grid, aspect="auto", origin="lower", interpolation="nearest", cmap="RdBu_r", norm=load_norm(grid, limit)
     )
@@ -102,7 +103,7 @@ def status_line(rows: list, max_steps: int = None, eta_s: float = None, step: in
 # %% ../../nbs/13a_viz_dashboard.ipynb #be2099b9
 def has_experts(rows: list, model: ModelConfig = None) -> bool:
     "Whether there is an expert load to show: logged already, or a `model` with MoE layers that will log it."
-    if any(LOAD_KEY.fullmatch(k) for r in rows for k in r):
+    if any(row_loads(r) for r in rows):
         return True
     if model is not None:
         return model.moe.n_routed > 0 and model.n_layers > model.moe.n_dense_layers
@@ -151,6 +152,7 @@ class LiveDashboard(Callback):
         self.clock = time.perf_counter  # replaced by a fake clock in tests
         self._clock, self._view, self._handle = [], None, None  # (time, step) at log rows; the widgets once shown
         self._last, self._cost, self._drawn = None, 0.0, -1  # last redraw: when, how long it took, rows it showed
+        self._loads_row = None  # the one kept row with a model's many per-expert loads
 
     def warnings(self, trainer) -> list:
         "The health warnings (`Threat`s) of the trainer's monitor and of any other callback that keeps some, in order."
@@ -181,7 +183,12 @@ class LiveDashboard(Callback):
         "Keep the row and the monitor's warnings; redraw on every `every`-th row."
         if not getattr(trainer, "is_main", True):
             return
-        self.rows.append(dict(metrics))
+        row = dict(metrics)
+        if LOADS_KEY in row:  # only the latest is drawn: a long run of a large model keeps one row's loads, not all
+            if self._loads_row is not None:
+                self._loads_row.pop(LOADS_KEY)
+            self._loads_row = row
+        self.rows.append(row)
         self.n_logged += 1
         self.threats = self.warnings(trainer)
         self._clock.append((time.perf_counter(), metrics.get("step", 0)))
