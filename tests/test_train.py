@@ -314,3 +314,17 @@ def test_early_stopping_ends_the_run_at_its_patience(tmp_path):
     assert r.returncode == 0 and "early stop" not in r.stderr, r.stderr[-3000:]
     r = run_in_process(cipher_train, *args, "--resume", "auto")
     assert r.returncode == 0 and "early stop at step 6" in r.stderr, r.stderr[-3000:]
+
+
+TINY_RUN = ("schedule.max_steps=2", "schedule.warmup_steps=1")  # should the refusal fail, a short run
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8", "nvfp4"])
+def test_8bit_adamw_with_an_fp8_family_precision_is_refused_on_a_cpu_too(tmp_path, precision):
+    "Judged on the precision asked for, before the CPU's fallback to fp32: one line, exit 2, nothing written."
+    run = tmp_path / "run"
+    r = train_in_process(run, f"training.precision={precision}", "optim.name=adamw8bit", *TINY_RUN)
+    refusal = f"cipher-train: optim.name = adamw8bit with training.precision = {precision}: 8-bit AdamW trains bf16"
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(refusal), r.stderr[-2000:]
+    assert not run.exists()
