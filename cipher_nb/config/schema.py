@@ -303,7 +303,7 @@ class MonitorConfig:
     max_load_ratio: float = cosmetic(2.0)
     max_overlap: float = cosmetic(0.3)
     max_grad_norm: float = cosmetic(10.0)
-    min_mfu: float = cosmetic(0.7)  # shown beside the GPU utilisation line (information, not judged)
+    min_mfu: float = cosmetic(0.0)  # the gate's MFU line: the last quarter's MFU must pass it; 0 = not judged
     min_gpu_util: float = cosmetic(70.0)  # percent of time the GPU is busy (NVML), the gate's utilisation line
     require_gpu_util: bool = cosmetic(True)  # a CUDA run whose utilisation was not measured (no NVML) fails the gate
     max_loop_grad_drift: float = cosmetic(10.0)  # per-loop gradient norms: last quarter over first after warmup
