@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_args import at_least, config_or_usage
 from torch import nn
 
 from cipher_nb.config.load import load_config
@@ -82,18 +83,18 @@ def dir_bytes(p: Path) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(ROOT / "examples/configs/h100.yaml"))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--fsdp", action="store_true", help="step times around sharded saves (run under torchrun)")
-    ap.add_argument("--width", type=int, default=1024, help="--fsdp: the MLP's width")
-    ap.add_argument("--depth", type=int, default=8, help="--fsdp: the MLP's number of layers")
-    ap.add_argument("--batch", type=int, default=256, help="--fsdp: rows per step and rank")
+    ap.add_argument("--width", type=at_least(1), default=1024, help="--fsdp: the MLP's width")
+    ap.add_argument("--depth", type=at_least(1), default=8, help="--fsdp: the MLP's number of layers")
+    ap.add_argument("--batch", type=at_least(1), default=256, help="--fsdp: rows per step and rank")
     a = ap.parse_args()
     if a.fsdp:
         return fsdp_main(a)
 
-    cfg = load_config(a.config)
+    cfg = config_or_usage(ap, load_config, a.config)
     device = resolve_device(a.device)
     model, what = build(cfg, device)
     opt = torch.optim.AdamW(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_args import at_least
 
 from cipher_nb.config.load import load_config
 from cipher_nb.config.sizing import flops_per_token
@@ -91,13 +92,17 @@ def rate(counts, seconds):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=2.0, help="measuring time per contender and round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds; each contender keeps its best")
-    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers for the multi-process row (0 = skip)")
+    ap.add_argument("--seconds", type=at_least(0.1, float), default=2.0, help="measuring time per contender and round")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds; each contender keeps its best")
+    ap.add_argument(
+        "--workers", type=at_least(0), default=2, help="DataLoader workers for the multi-process row (0 = skip)"
+    )
     ap.add_argument(
         "--tokenizer", action="store_true", help="also time the tokenizer codec (trains a BPE on the corpus first)"
     )
-    ap.add_argument("--bytes-per-token", type=float, default=4.5, help="the H100 preset's tokenizer, bytes per token")
+    ap.add_argument(
+        "--bytes-per-token", type=at_least(0.1, float), default=4.5, help="the H100 preset's tokenizer, bytes per token"
+    )
     a = ap.parse_args()
 
     h100 = load_config(ROOT / "examples/configs/h100.yaml")

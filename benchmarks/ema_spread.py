@@ -14,6 +14,7 @@ import tempfile
 import time
 
 import torch
+from bench_args import int_list
 
 from cipher_nb.config.load import load_config
 from cipher_nb.data.codecs import build_codec
@@ -54,7 +55,7 @@ def table(runs: list) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="examples/configs/tiny-cpu-90s.yaml")
-    p.add_argument("--steps", default="760,800,840", help="the schedule lengths, comma-separated")
+    p.add_argument("--steps", type=int_list, default="760,800,840", help="the schedule lengths, comma-separated")
     p.add_argument("--ema", type=float, default=0.99, help="optim.ema of every run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="a JSON file for every run")
@@ -64,7 +65,7 @@ def main():
         p.error(f"--ema {a.ema}: give a decay in (0, 1)")
     torch.set_num_threads(1)
     runs = []
-    for steps in (int(s) for s in a.steps.split(",")):
+    for steps in a.steps:
         runs.append(final_bpb(a.config, steps, a.ema, a.seed, a.overrides))
         print(json.dumps(runs[-1]), flush=True)
     print(table(runs))

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import torch
+from bench_args import at_least
 
 from cipher_nb.config.load import model_config
 from cipher_nb.eval.harness import sample_ids
@@ -37,8 +38,8 @@ def ids_per_second(model, prompt, new: int, cache: bool) -> tuple:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--new", type=int, default=1000, help="new ids to sample")
-    p.add_argument("--prompt", type=int, default=256, help="prompt length in ids")
+    p.add_argument("--new", type=at_least(1), default=1000, help="new ids to sample")
+    p.add_argument("--prompt", type=at_least(1), default=256, help="prompt length in ids")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, {args.new} new ids after {args.prompt}")

@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))  # quality and minimal_gpt, also when loaded by path
 import quality  # noqa: E402
+from bench_args import at_least  # noqa: E402
 
 BASELINE = quality.BASELINE
 PARTS = ("dropout", "memwd", "stop")  # the fixes a recipe contender combines: recipe+dropout+stop, recipe+all
@@ -380,7 +381,7 @@ def main():
     p.add_argument("--config", default=str(ROOT / "examples/configs/tiny-cpu-90s.yaml"), help="the recipe's preset")
     p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help="comma-separated; parts combine")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma-separated durations of training per run")
-    p.add_argument("--seeds", type=int, default=1, help="seeds per contender and budget (0, 1, ...)")
+    p.add_argument("--seeds", type=at_least(1), default=1, help="seeds per contender and budget (0, 1, ...)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (step counts are fixed: sharing cores is fair)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="what a budget second is")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
@@ -405,7 +406,10 @@ def main():
         return
     names = [n.strip() for n in a.contenders.split(",") if n.strip()]
     for n in names:
-        contender_parts(n)
+        try:
+            contender_parts(n)
+        except SystemExit as e:
+            p.error(str(e))  # a usage error: exit 2
     budgets = [quality.parse_budget(b) for b in a.budgets.split(",") if b.strip()]
     root, manifest = write_corpus(a)
     print(

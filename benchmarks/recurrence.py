@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_args import at_least
 
 from cipher_nb.config.load import model_config
 from cipher_nb.model.lm import CipherModel
@@ -84,9 +85,9 @@ def run(rec: dict, seed: int, steps: int, n_loops: int, B=8, T=128, lr=3e-3) -> 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--loops", type=int, default=4)
+    ap.add_argument("--steps", type=at_least(1), default=300)
+    ap.add_argument("--seeds", type=at_least(0), nargs="+", default=[0, 1])
+    ap.add_argument("--loops", type=at_least(1), default=4)
     a = ap.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     print(f"{a.steps} steps, seeds {a.seeds}, n_loops {a.loops}, torch {torch.__version__}, {os.cpu_count()} CPUs\n")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from bench_args import at_least
 
 import cipher_nb.data.loader as L
 from cipher_nb.config.load import Config
@@ -26,8 +27,8 @@ from cipher_nb.config.load import Config
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--docs", type=int, default=12000)
-    ap.add_argument("--batches", type=int, default=1500)
+    ap.add_argument("--docs", type=at_least(4), default=12000)
+    ap.add_argument("--batches", type=at_least(1), default=1500)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     rng = np.random.default_rng(0)

@@ -201,10 +201,13 @@ def test_gate_skips_what_does_not_apply():
     assert "CPU run" in lines[2].figure and "populations off" in lines[5].figure
 
 
-def test_low_mfu_is_information_not_a_gate_failure():
+def test_low_mfu_fails_its_own_line_only_when_monitor_min_mfu_is_set():
     _, rows = drive(row=with_row(mfu=lambda s: 0.3))
-    line = gate(rows, config_from_dict({}).monitor)[2]
-    assert line.passed is True and "MFU 30.0%, under monitor.min_mfu" in line.figure
+    lines = gate(rows, config_from_dict({}).monitor)
+    assert gate_passed(lines) and not any(g.reads == "mfu" for g in lines)  # the default: not judged
+    lines = gate(rows, config_from_dict({"monitor": {"min_mfu": 0.5}}).monitor)
+    assert [(g.passed, g.figure) for g in lines if g.reads == "mfu"] == [(False, "30.0%, last quarter")]
+    assert lines[2].passed is True  # the GPU is busy all the same
 
 
 def test_load_metrics_come_from_the_whole_window():

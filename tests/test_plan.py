@@ -1,7 +1,10 @@
 """`cipher-plan` (cipher_nb.train.plan): the fake-tensor plan against a measured step, its FLOPs against the sizing
-formula, its JSON and its exit code; each GPU preset's plan at its shipped micro-batch must fit an 80 GB H100."""
+formula, its JSON and its exit code; each GPU preset's plan at its shipped micro-batch must fit an 80 GB H100.
+Expert parallelism: each rank's share of the experts and the all-to-all bytes against hand counts, and the layouts of
+the Qwen3-30B-A3B-shaped preset over two nodes."""
 
 import json
+from dataclasses import replace
 from functools import reduce
 
 import pytest
@@ -10,11 +13,22 @@ from conftest import ROOT, run_in_process
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from cipher_nb.config.load import load_config
-from cipher_nb.config.sizing import flops_per_token
+from cipher_nb.config.sizing import flops_per_token, param_counts
 from cipher_nb.core import seed_everything
 from cipher_nb.model.lm import CipherModel
 from cipher_nb.optim.optimizers import build_optimizer
-from cipher_nb.train.plan import HEADROOM, GiB, capacity_gib, cipher_plan, count_flops, phase_lines, trace_step
+from cipher_nb.train.plan import (
+    HEADROOM,
+    GiB,
+    all_to_all_bytes,
+    capacity_gib,
+    cipher_plan,
+    count_flops,
+    layout_lines,
+    phase_lines,
+    plan_layouts,
+    trace_step,
+)
 
 PRESETS = ROOT / "examples" / "configs"
 SMALL = ["model.n_layers=2", "training.seq_len=64", "training.batch_size=2"]
@@ -154,3 +168,60 @@ def test_ema_adds_one_fp32_copy_of_the_parameters_per_gpu():
             assert {k: v for k, v in on[phase].items() if k != "optimizer"} == {
                 k: v for k, v in off[phase].items() if k != "optimizer"
             }
+
+
+QWEN = PRESETS / "qwen3-30b-a3b.yaml"
+
+
+def test_the_qwen3_preset_has_the_qwen3_30b_a3b_shape():
+    cfg = load_config(QWEN)
+    m, a, e = cfg.model, cfg.model.attention, cfg.model.moe
+    assert (m.n_layers, m.d_model, a.n_heads, a.n_kv_heads, a.head_dim) == (48, 2048, 32, 4, 128)
+    assert (e.n_routed, e.expert_d_ff, e.top_k, e.n_shared, m.n_moe_layers) == (128, 768, 8, 0, 48)
+    assert (m.vocab, cfg.data.codec) == (32768, "tokenizer")  # the project's own BPE, not Qwen3's vocabulary
+    assert 29e9 < param_counts(m)["total"] < 31e9
+
+
+def test_each_rank_holds_its_share_of_the_experts():
+    "A hand count on a small MoE under DDP on 4 ranks: at degree d a rank keeps 1/d of the experts and AdamW's state."
+    cfg = load_config(None, SMALL)
+    m = cfg.model
+    experts = m.n_moe_layers * 3 * m.moe.n_routed * m.moe.expert_d_ff * m.d_model * 4  # fp32 bytes of every expert
+    held = {d: trace_step(m, replace(cfg.training, expert_parallel=d), cfg.optim, 2, 4)["optimizer"] for d in (1, 2, 4)}
+    for d in (2, 4):
+        assert held[1]["parameters"] - held[d]["parameters"] == experts - experts // d
+        assert held[1]["optimizer"] - held[d]["optimizer"] == 2 * (experts - experts // d)
+
+
+def test_all_to_all_bytes_of_the_qwen3_preset_by_hand():
+    """48 MoE layers, 16 x 4096 tokens a step, 8 rows of 2048 in bf16 each: dispatch and combine in the forward, again
+    in full checkpointing's recompute, and in the backward."""
+    cfg = load_config(QWEN)
+    assert all_to_all_bytes(cfg.model, cfg.training) == 6 * 48 * (16 * 4096) * 8 * 2048 * 2
+
+
+def test_expert_layouts_of_the_qwen3_shape_on_two_nodes():
+    "One layer of it at 256 tokens on 16 GPUs: each degree that divides 128 and 16 under DDP and FSDP2, launch lines."
+    cfg = load_config(QWEN, ["model.n_layers=1", "training.seq_len=256"])
+    rows = plan_layouts(cfg, 16, "h100")
+    assert [(r["parallel"], r["degree"]) for r in rows] == [(p, d) for p in ("ddp", "fsdp") for d in (1, 2, 4, 8, 16)]
+    ddp = [r["peak_gib"] for r in rows if r["parallel"] == "ddp"]
+    assert ddp == sorted(ddp, reverse=True) and len(set(ddp)) == 5  # fewer experts a GPU at each degree
+    assert [bool(r["refused"]) for r in rows] == [False] * 6 + [True] * 4  # FSDP2 with expert parallelism: not yet
+    lines = layout_lines(rows, str(QWEN), 16, "h100", cfg.monitor.max_load_ratio)
+    launches = [line.strip() for line in lines if "launch/" in line]
+    assert len(launches) == 6 and all(line.startswith("NNODES=2 ") for line in launches), lines
+    assert sum("not today:" in line and "fsdp: not yet" in line for line in lines) == 4
+
+
+def test_layouts_in_json_and_the_refusals():
+    r = run_in_process(cipher_plan, *SMALL, "--gpus", "4", "--layouts", "--json")
+    assert r.returncode == 0, r.stderr
+    layouts = json.loads(r.stdout)["layouts"]
+    assert [(x["parallel"], x["degree"]) for x in layouts][:3] == [("ddp", d) for d in (1, 2, 4)]
+    for extra, said in (
+        (["training.expert_parallel=4", "--gpus", "2"], "must divide the number of ranks (2)"),
+        (["model.moe.n_routed=0", "--layouts"], "--layouts splits routed experts"),
+    ):
+        r = run_in_process(cipher_plan, *SMALL, *extra)
+        assert r.returncode == 2 and said in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr

@@ -1,8 +1,11 @@
 "Every shipped preset builds with the parameter count `cipher-config` prints; the CPU byte model logs every piece."
 
 import json
+import math
+import re
 import shutil
 import sys
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
@@ -48,9 +51,10 @@ def test_sft_on_a_gpu_preset_takes_the_guides_schedule_and_names_what_it_replace
     r = run_in_process(cipher_config, str(path), "stage.name=sft", pos=["path"])
     assert r.returncode == 0, r.stderr
     said = next(line for line in r.stdout.splitlines() if line.startswith("# stage sft replaces the preset's "))
-    for key in ("schedule.lr", "schedule.max_steps", "schedule.warmup_steps", "training.eval_every"):
-        was = repr(eval(f"preset.{key}"))
-        assert f"{key} {was} -> " in said, (key, said)
+    for key in ("schedule.lr", "schedule.max_steps", "schedule.target_tokens", "schedule.warmup_steps"):
+        was, now = attrgetter(key)(preset), attrgetter(key)(cfg)
+        assert was == now or f"{key} {was!r} -> " in said, (key, said)  # each key the preset set otherwise
+    assert f"training.eval_every {preset.training.eval_every!r} -> " in said
     assert f"schedule.lr {preset.schedule.lr!r} -> 2e-05" in said
     r = run_in_process(cipher_config, str(path), "stage.name=sft", "schedule.lr=1e-5", pos=["path"])
     assert "schedule.lr" not in next(x for x in r.stdout.splitlines() if x.startswith("# stage"))  # given for it
@@ -64,6 +68,62 @@ def test_flexitokens_h100_has_the_training_scripts_shapes():
     assert (e.kind, e.n_routed, e.top_k, e.shared_inter, e.expert_rank) == ("shared_projection", 32, 2, 6144, 256)
     assert r.halting and r.injection == "lti" and r.loop_lora_rank > 0 and m.boundary.enabled
     assert [i - r.n_prelude for i in m.engram.layers] == [1, 4]  # the core's layers 1 and 4
+
+
+def header(path) -> str:
+    "A preset's header comment as one line of text."
+    lines = Path(path).read_text().split("\nmodel:")[0].splitlines()
+    return " ".join(line.removeprefix("#").strip() for line in lines)
+
+
+def said(pattern, text) -> tuple:
+    "The numbers the header states where `pattern` matches (commas dropped)."
+    m = re.search(pattern, text)
+    assert m, pattern
+    return tuple(float(g.replace(",", "")) for g in m.groups())
+
+
+def test_flexitokens_h100s_header_states_what_the_config_does():
+    "Every figure the Spider preset's header states, read off the header and checked against the loaded config."
+    from cipher_nb.config.load import global_batch_tokens, token_budget_steps
+    from cipher_nb.model.attention import rope_frequencies
+
+    path = ROOT / "examples/configs/flexitokens-h100.yaml"
+    text, cfg = header(path), load_config(path)
+    m, t, s, a = cfg.model, cfg.training, cfg.schedule, cfg.model.attention
+    assert said(r"width (\d+)", text) == (m.d_model,) and said(r"(\d+) loops", text) == (m.recurrence.n_loops,)
+    assert said(r"seq_len (\d+), lr", text) == (t.seq_len,) and said(r"warmup (\d+)", text) == (s.warmup_steps,)
+    assert said(r"lr ([\d.e-]+) with min_lr = lr / (\d+)", text) == (s.lr, round(s.lr / s.min_lr))
+    assert said(r"checkpoints every (\d+)", text) == (t.checkpoint_every,)
+    assert said(r"weight decay ([\d.]+)", text) == (cfg.optim.weight_decay,)
+    # the horizon: the token target, no cap, and the steps it buys on 8 GPUs
+    assert said(r"token target, ([\d,]+) tokens", text) == (s.target_tokens,) and s.max_steps == 0
+    gpus, per_gpu, seq, per_step, steps = said(
+        r"On (\d+) GPUs a step reads \d+ x (\d+) x (\d+) = ([\d,]+) tokens: ([\d,]+)", text
+    )
+    assert (per_gpu, seq) == (t.batch_size * t.grad_accum, t.seq_len)
+    assert (per_step, steps) == (global_batch_tokens(t, int(gpus)), token_budget_steps(s, t, int(gpus)))
+    assert said(r"(\d+) sequences per GPU", text) == (per_gpu,)
+    assert said(r"a micro-batch of (\d+) and (\d+) accumulation steps", text) == (t.batch_size, t.grad_accum)
+    # YaRN: the context it reaches, and the pairs it rescales at every length, counted by hand from YaRN's ramp
+    factor, orig, context = said(r"factor (\d+) \(rope_scaling\) over an original context of ([\d,]+)", text) + said(
+        r"= ([\d,]+) positions", text
+    )
+    assert (factor, orig, context) == (a.rope_scaling, a.rope_orig_ctx, a.rope_scaling * a.rope_orig_ctx)
+    pairs = a.rope_head_dim // 2
+    turns = [a.rope_orig_ctx / (2 * math.pi) * a.rope_base ** (-2 * i / a.rope_head_dim) for i in range(pairs)]
+    by_hand = (sum(r < 32 for r in turns), pairs, sum(r <= 1 for r in turns))  # YaRN's beta_fast 32, beta_slow 1
+    assert said(r"it rescales (\d+) of MLA's (\d+) RoPE frequency pairs \((\d+) by the whole factor", text) == by_hand
+    plain, _ = rope_frequencies(a.rope_head_dim, a.rope_base)
+    yarn, scale = rope_frequencies(a.rope_head_dim, a.rope_base, a.rope_scaling, a.rope_orig_ctx)
+    ratio = (yarn / plain).tolist()
+    assert (sum(r < 1 - 1e-6 for r in ratio), sum(abs(r - 1 / factor) < 1e-6 for r in ratio)) == (
+        by_hand[0],
+        by_hand[2],
+    )
+    assert f"attention by 0.1 ln {factor:g} + 1" in text and scale == 0.1 * math.log(a.rope_scaling) + 1
+    assert said(r"sliding window \((\d+)\) masks nothing at seq_len (\d+)", text) == (a.sliding_window, t.seq_len)
+    assert a.sliding_window >= t.seq_len
 
 
 def test_flexitokens_cpu_logs_halting_and_memory_and_the_gate_reads_them(tmp_path):

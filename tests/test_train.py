@@ -315,3 +315,41 @@ def test_early_stopping_ends_the_run_at_its_patience(tmp_path):
     assert r.returncode == 0 and "early stop" not in r.stderr, r.stderr[-3000:]
     r = run_in_process(cipher_train, *args, "--resume", "auto")
     assert r.returncode == 0 and "early stop at step 6" in r.stderr, r.stderr[-3000:]
+
+
+TINY_RUN = ("schedule.max_steps=2", "schedule.warmup_steps=1")  # should the refusal fail, a short run
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8", "nvfp4"])
+def test_8bit_adamw_with_an_fp8_family_precision_is_refused_on_a_cpu_too(tmp_path, precision):
+    "Judged on the precision asked for, before the CPU's fallback to fp32: one line, exit 2, nothing written."
+    run = tmp_path / "run"
+    r = train_in_process(run, f"training.precision={precision}", "optim.name=adamw8bit", *TINY_RUN)
+    refusal = f"cipher-train: optim.name = adamw8bit with training.precision = {precision}: 8-bit AdamW trains bf16"
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(refusal), r.stderr[-2000:]
+    assert not run.exists()
+
+
+def text_log(run) -> list:
+    "RUN/train.log's lines, oldest first: the rotated pieces from the highest number down, then train.log itself."
+    n = len(list(Path(run).glob("train.log.*")))
+    pieces = [Path(run) / f"train.log.{k}" for k in range(n, 0, -1)] + [Path(run) / "train.log"]
+    return "".join(p.read_text() for p in pieces).splitlines()
+
+
+def test_the_console_is_kept_in_train_log_rotated_and_appended_on_resume(tmp_path):
+    "What cipher-train prints, each line timed, in RUN/train.log; rotated at 500 bytes into pieces; resume appends."
+    run = tmp_path / "run"
+    r = train_in_process(run, *TINY, *TINY_RUN, "training.log_every=1", "logging.text_log_mb=0.0005")
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = text_log(run)
+    said = [line.split(" | ", 1)[1] for line in first]
+    assert all(line[:4].isdigit() and " | " in line for line in first)  # each line opens with its time
+    assert f"training 2 steps (schedule.max_steps = 2), run directory: {run}" in said
+    assert any(s.startswith("step      2/2 | loss") for s in said) and "run finished at step 2" in " ".join(said)
+    assert (run / "train.log.2").is_file() and all(p.stat().st_size < 800 for p in run.glob("train.log*"))  # + a line
+    r = train_in_process(run, "--resume", "auto")
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = text_log(run)
+    assert again[: len(first)] == first and any("resumed from" in line for line in again[len(first) :])

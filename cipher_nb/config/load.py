@@ -27,6 +27,7 @@ from typing import Literal
 import yaml
 
 from .parallel import expert_parallel_rules
+from .precision import precision_rules
 from .schema import *  # the sections and allowed values: cipher_nb.config.load re-exports them
 
 # %% ../../nbs/01_config_load.ipynb #131496a9
@@ -521,8 +522,7 @@ def validate(cfg: Config) -> Config:
     token_budget_steps(cfg.schedule, cfg.training)  # at world size 1; the builder checks again at the run's world size
     rules = [*stage_rules(cfg), *model_rules(cfg.model), *schedule_rules(cfg.schedule), *data_rules(cfg.data)]
     rules += [*sft_rules(cfg.sft), *budget_rules(cfg.schedule, cfg.data, cfg.stage.name)]
-    corr = cfg.monitor.max_token_corr
-    rules += [(0 < corr <= 1, f"monitor.max_token_corr ({corr}) must lie in (0, 1]"), *expert_parallel_rules(cfg)]
+    rules += [*expert_parallel_rules(cfg), *precision_rules(cfg)]
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)

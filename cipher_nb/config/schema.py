@@ -306,8 +306,10 @@ class MonitorConfig:
     max_load_ratio: float = cosmetic(2.0)
     max_overlap: float = cosmetic(0.3)
     max_grad_norm: float = cosmetic(10.0)
-    min_mfu: float = cosmetic(0.7)  # shown beside the GPU utilisation line (information, not judged)
+    min_mfu: float = cosmetic(0.0)  # the gate's MFU line: the last quarter's MFU must pass it; 0 = not judged
     min_gpu_util: float = cosmetic(70.0)  # percent of time the GPU is busy (NVML), the gate's utilisation line
+    require_gpu_util: bool = cosmetic(True)  # a CUDA run whose utilisation was not measured (no NVML) fails the gate
+    max_loop_grad_drift: float = cosmetic(10.0)  # per-loop gradient norms: last quarter over first after warmup
     gate_steps: int = cosmetic(100)
     bp_rate_tol: float = cosmetic(0.1)
     slow_mfu: float = cosmetic(0.5)  # warn when MFU falls under this (the runbook flags under 50% GPU use)
@@ -350,6 +352,7 @@ class LoggingConfig:
 
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: bool = cosmetic(False)  # scalars under RUN/tensorboard
+    text_log_mb: float = cosmetic(100.0)  # RUN/train.log (the console's text) rotated at this size; 0 = none
 
 # %% ../../nbs/00a_config_schema.ipynb #8964df6d
 @dataclass
@@ -455,6 +458,10 @@ IN_RANGE = {  # field -> (interval, what the field is)
     "model.boundary.temperature": ("(0, inf)", "the Gumbel-sigmoid temperature"),
     "model.boundary.loss_weight": ("[0, inf)", "the boundary loss weight (0 = off)"),
     "model.boundary.binomial_weight": ("[0, inf)", "the binomial prior's weight (0 = off)"),
+    "monitor.max_token_corr": ("(0, 1]", "the token states' correlation that counts as recurrent collapse"),
+    "monitor.min_mfu": ("[0, 1]", "the least MFU the gate passes (0 = not judged)"),
+    "monitor.max_loop_grad_drift": ("(0, inf)", "the most a loop's gradient norm may grow over the run"),
+    "logging.text_log_mb": ("[0, inf)", "the size in MB at which RUN/train.log rotates (0 = no text log)"),
 }
 
 

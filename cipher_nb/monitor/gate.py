@@ -6,8 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/monitor_gate.html.md"""
 
 # %% auto #0
 __all__ = ['GATE_FILE', 'GateLine', 'gate_loss_fell', 'gate_finite', 'gate_load', 'gate_router_learning', 'gate_overlap',
-           'most_over', 'gate_grad_norm', 'gate_utilisation', 'gate_halting', 'gate_memory', 'gate', 'gate_passed',
-           'format_gate', 'read_metrics', 'write_gate', 'gate_run']
+           'most_over', 'gate_grad_norm', 'gate_utilisation', 'gate_mfu', 'gate_loop_grads', 'gate_halting',
+           'gate_memory', 'gate', 'gate_passed', 'format_gate', 'read_metrics', 'write_gate', 'gate_run']
 
 # %% ../../nbs/07a_monitor_gate.ipynb #dd141fc0
 import json
@@ -53,6 +53,12 @@ def _tail_mean(vals: list) -> float:
     "Mean of the last quarter of `vals` (at least one value)."
     t = vals[-max(1, len(vals) // 4) :]
     return sum(t) / len(t)
+
+# %% ../../nbs/07a_monitor_gate.ipynb #374a69f0
+def _head_mean(vals: list) -> float:
+    "Mean of the first quarter of `vals` (at least one value)."
+    h = vals[: max(1, len(vals) // 4)]
+    return sum(h) / len(h)
 
 # %% ../../nbs/07a_monitor_gate.ipynb #d44f09b8
 def _layer_ids(rows: list, metric: str) -> list:
@@ -200,18 +206,60 @@ def gate_grad_norm(rows: list, m: MonitorConfig, warmup_steps: int = 0) -> GateL
     return GateLine(name, worst <= most, fig, reads)
 
 # %% ../../nbs/07a_monitor_gate.ipynb #1d876a1f
+def _on_cuda(rows: list) -> bool:
+    "Whether the rows come from a CUDA run: a `gpu_util` key (even null), or an MFU against a known GPU peak."
+    return any("gpu_util" in r for r in rows) or bool(_points(rows, "mfu"))
+
+# %% ../../nbs/07a_monitor_gate.ipynb #4b68e3ff
 def gate_utilisation(rows: list, m: MonitorConfig) -> GateLine:
-    "On GPU runs, NVML's busy time `gpu_util` over `monitor.min_gpu_util` percent; MFU shown beside it, not judged."
-    name, reads = f"GPU utilisation over {m.min_gpu_util:g}%", "gpu_util; mfu as information"
-    util, mf = [v for _, v in _points(rows, "gpu_util")], [v for _, v in _points(rows, "mfu")]
-    info = ""
-    if mf:
-        t = _tail_mean(mf)
-        info = f"; MFU {t:.1%}, {'over' if t > m.min_mfu else 'under'} monitor.min_mfu = {m.min_mfu:.0%} (not judged)"
-    if not util:
-        return GateLine(name, None, "CPU run (or no NVML): no gpu_util logged" + info, reads)
-    tail = _tail_mean(util)
-    return GateLine(name, tail > m.min_gpu_util, f"busy {tail:.0f}% of the time (NVML), last quarter" + info, reads)
+    "On CUDA, NVML's busy time `gpu_util` over `monitor.min_gpu_util`; not measured fails (`monitor.require_gpu_util`)."
+    name, reads = f"GPU utilisation over {m.min_gpu_util:g}%", "gpu_util"
+    util = [v for _, v in _points(rows, "gpu_util")]
+    if util:
+        tail = _tail_mean(util)
+        return GateLine(name, tail > m.min_gpu_util, f"busy {tail:.0f}% of the time (NVML), last quarter", reads)
+    if not _on_cuda(rows):
+        return GateLine(name, None, "CPU run: no gpu_util logged", reads)
+    if not m.require_gpu_util:
+        return GateLine(name, None, "not measured (no NVML), accepted: monitor.require_gpu_util = false", reads)
+    fig = "not measured: a CUDA run without NVML; install nvidia-ml-py, or set monitor.require_gpu_util=false"
+    return GateLine(name, False, fig, reads)
+
+# %% ../../nbs/07a_monitor_gate.ipynb #78504cfc
+def gate_mfu(rows: list, m: MonitorConfig) -> GateLine:
+    "MFU over the last quarter above `monitor.min_mfu` (0: not judged; runs without a known peak log no MFU)."
+    name, reads = f"MFU over {m.min_mfu:.0%}", "mfu"
+    mf = [v for _, v in _points(rows, "mfu")]
+    if not m.min_mfu:
+        return GateLine(name, None, "not judged (monitor.min_mfu = 0)", reads)
+    if not mf:
+        return GateLine(name, None, "no mfu logged (a CPU run, or a GPU whose peak is not known)", reads)
+    tail = _tail_mean(mf)
+    return GateLine(name, tail > m.min_mfu, f"{tail:.1%}, last quarter", reads)
+
+# %% ../../nbs/07a_monitor_gate.ipynb #10c500a1
+def _loop_drifts(rows: list, warmup_steps: int) -> dict:
+    "Loop K -> the last quarter's mean of `loop/grad_norm_K` over its first quarter's, after the warmup (norms > 0)."
+    keys = {int(k.rsplit("_", 1)[1]) for r in rows for k in r if re.fullmatch(r"loop/grad_norm_\d+", k)}
+    out = {}
+    for k in sorted(keys):
+        pts = _points(rows, f"loop/grad_norm_{k}")
+        vals = [v for s, v in pts if math.isfinite(v) and (as_number(s) is None or as_number(s) > warmup_steps)]
+        if vals and _head_mean(vals) > 0:
+            out[k] = _tail_mean(vals) / _head_mean(vals)
+    return out
+
+# %% ../../nbs/07a_monitor_gate.ipynb #7d9f75fe
+def gate_loop_grads(rows: list, m: MonitorConfig, warmup_steps: int = 0) -> GateLine:
+    "Each loop's gradient norm grew under `monitor.max_loop_grad_drift` x over the run (after warmup)."
+    limit, reads = m.max_loop_grad_drift, "loop/grad_norm_K"
+    name = f"per-loop gradient norms grew under {limit:g}x after warmup"
+    drifts = _loop_drifts(rows, warmup_steps)
+    if not drifts:
+        return GateLine(name, None, "no loop/grad_norm_K above 0 after the warmup (no recurrent core)", reads)
+    worst = max(drifts, key=lambda k: drifts[k] if math.isfinite(drifts[k]) else math.inf)
+    fig = f"loop {worst} grew most: {drifts[worst]:.2f}x (last quarter over first, after step {warmup_steps})"
+    return GateLine(name, drifts[worst] < limit, f"{fig}, {len(drifts)} loop(s)", reads)
 
 # %% ../../nbs/07a_monitor_gate.ipynb #1079ac9e
 def _halt_ends(row: dict) -> tuple | None:
@@ -262,8 +310,9 @@ def gate(rows: list, mcfg: MonitorConfig, populations=None, warmup_steps: int = 
         gate_overlap(rows, mcfg, populations),
         gate_grad_norm(rows, mcfg, warmup_steps),
     ]
-    extra = [gate_halting(rows, mcfg), gate_memory(rows, mcfg)]
-    return lines + [g for g in extra if g.passed is not None]  # only runs that halt, or have Engram, have these
+    extra = [gate_mfu(rows, mcfg), gate_loop_grads(rows, mcfg, warmup_steps), gate_halting(rows, mcfg)]
+    extra.append(gate_memory(rows, mcfg))
+    return lines + [g for g in extra if g.passed is not None]  # only runs that have these (a recurrent core, ...)
 
 # %% ../../nbs/07a_monitor_gate.ipynb #e55e8724
 def gate_passed(lines: list) -> bool:

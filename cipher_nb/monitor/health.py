@@ -596,16 +596,15 @@ class Utilization(Callback):
     "MFU and the GPU's busy fraction (`gpu_util`) in each log row; the sampler stops with the run."
 
     def __init__(self, flops_per_token: float, peak_flops: float | None, sampler=None):
-        "`sampler`: a started `cipher_nb.monitor.metrics.GPUUtilization` (None: no `gpu_util`)."
+        "`sampler`: a started `cipher_nb.monitor.metrics.GPUUtilization` on CUDA (None: no `gpu_util` key)."
         self.flops_per_token, self.peak_flops, self.sampler = flops_per_token, peak_flops, sampler
 
     def on_log(self, trainer, row: dict):
         if "tok_per_s" not in row:  # an evaluation's row alone: no window to measure
             return
         row["mfu"] = mfu(row["tok_per_s"], self.flops_per_token, self.peak_flops, trainer.env.world_size)
-        busy = self.sampler.read() if self.sampler is not None else None
-        if busy is not None:
-            row["gpu_util"] = busy
+        if self.sampler is not None:  # a CUDA run: null when NVML measured nothing, so the gate can tell
+            row["gpu_util"] = self.sampler.read()
 
     def on_end(self, trainer):
         if self.sampler is not None:

@@ -551,7 +551,8 @@ class RunDirError(ConfigError):
     "A fresh run was asked for in a directory that holds a run, or holds something else."
 
 
-RUN_FILES = ("config.yaml", "plan.json", "record.json", "metrics.jsonl", "checkpoints", "final")  # plan: CUDA's
+# what a run writes (plan.json: the CUDA planner's; train.log: the console's text)
+RUN_FILES = ("config.yaml", "plan.json", "record.json", "metrics.jsonl", "checkpoints", "final", "train.log")
 
 
 def holds_run(run_dir: Path) -> bool:

@@ -8,10 +8,11 @@ Docs: https://cipher-nb.github.io/cipher_nb/train_plan.html.md"""
 __all__ = ['GPUS', 'CUDA_CONTEXT_GIB', 'NCCL_GIB', 'HEADROOM', 'GiB', 'CATEGORIES', 'OFFLOADED', 'MOST_MICRO_BATCH', 'GPU',
            'capacity_gib', 'grouped_mm_flop', 'cpu_attention_flop', 'cpu_attention_backward_flop',
            'register_flop_formulas', 'DataBound', 'flash_attention', 'gpu_attention', 'PhasePeaks', 'PhaseTracker',
-           'FSDPPhaseTracker', 'fake_world', 'gpu_dtype', 'prime_state', 'traced_step', 'trace_step',
-           'planned_segments', 'count_flops', 'phase_lines', 'largest_fit', 'Plan', 'peak', 'search_micro_batch',
-           'plan_run', 'plan_fixes', 'misfit_line', 'plan_lines', 'cipher_plan', 'gpu_of', 'cached_plan',
-           'preflight_plan']
+           'FSDPPhaseTracker', 'fake_world', 'gpu_dtype', 'prime_state', 'traced_step', 'dispatch_rows',
+           'PlannedExperts', 'split_experts', 'replica_mesh', 'shard_experts', 'trace_step', 'planned_segments',
+           'count_flops', 'all_to_all_bytes', 'phase_lines', 'largest_fit', 'Plan', 'peak', 'search_micro_batch',
+           'plan_run', 'plan_fixes', 'misfit_line', 'plan_lines', 'ep_degrees', 'launch_line', 'plan_layouts',
+           'layout_lines', 'cipher_plan', 'gpu_of', 'cached_plan', 'preflight_plan']
 
 # %% ../../nbs/10e_train_plan.ipynb #a9c9eed7
 import hashlib
@@ -19,12 +20,14 @@ import math
 import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from itertools import product
 from json import dumps, loads
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.script import CliError
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -34,13 +37,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
 from ..cli import command
-from ..config.load import ConfigError, ModelConfig, OptimConfig, TrainConfig, load_config
+from ..config.load import ConfigError, ModelConfig, MonitorConfig, OptimConfig, TrainConfig, load_config
+from ..config.parallel import expert_parallel_rules
 from ..config.sizing import flops_per_token
 from ..core import autocast
 from ..model.lm import CipherModel
+from ..model.moe import MoE, RoutedExperts, compute_dtype
 from ..optim.ema import average_bytes
 from ..optim.optimizers import build_optimizer
-from ..optim.parallel import apply_ac, apply_fsdp
+from ..optim.parallel import apply_ac, apply_fsdp, fsdp_policy
 from ..persist.files import write_json_atomic
 
 # %% ../../nbs/10e_train_plan.ipynb #ac0cb82e
@@ -250,18 +255,95 @@ def traced_step(model, opt, ids, dtype, tracker):
         opt.zero_grad(set_to_none=True)
     return tracker.peaks
 
+# %% ../../nbs/10e_train_plan.ipynb #84edbf0c
+def dispatch_rows(sent: int, degree: int, ratio: float) -> int:
+    "Rows the busiest rank of a group of `degree` receives when each sends `sent`: `ratio` x the mean, at most all."
+    return min(math.ceil(ratio * sent), degree * sent)
+
+# %% ../../nbs/10e_train_plan.ipynb #ebdf8c13
+class _Arrive(torch.autograd.Function):
+    "A stand-in all-to-all: `rows` new rows arrive for the rows sent; the backward returns a gradient per row sent."
+
+    @staticmethod
+    def forward(ctx, x, rows: int):
+        ctx.sent = x.shape[0]
+        return x.new_empty(rows, *x.shape[1:])
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.new_empty(ctx.sent, *g.shape[1:]), None
+
+# %% ../../nbs/10e_train_plan.ipynb #200ad32a
+class PlannedExperts(nn.Module):
+    "A rank's 1/`degree` of a layer's routed experts, dispatching as the busiest rank (`ratio` x the mean): for traces."
+
+    def __init__(self, experts: RoutedExperts, degree: int, ratio: float):
+        super().__init__()
+        n = experts.w_gate.shape[0] // degree
+        for name in ("w_gate", "w_up", "w_down"):  # the names and shapes of `ExpertParallelExperts`
+            setattr(self, name, nn.Parameter(getattr(experts, name).detach()[:n].clone()))
+        self.degree, self.ratio = degree, ratio
+
+    def forward(self, x, idx, gates, impl: str = "bmm", counts=None):
+        "x [N,d], idx and gates [N,k] -> [N,d]: sent, computed where they arrive, sent back, combined."
+        N, k = idx.shape
+        order = idx.flatten().argsort(stable=True)  # [N*k] assignments by expert, so by the rank holding it
+        xs = x.to(compute_dtype(x)).index_select(0, order // k)  # [N*k, d] the rows sent
+        rows = _Arrive.apply(xs, dispatch_rows(N * k, self.degree, self.ratio))  # [R, d] the rows that arrive
+        R, n = rows.shape[0], self.w_gate.shape[0]
+        local = (torch.arange(R, device=x.device) * n // R)[:, None]  # [R, 1] spread evenly over the local experts
+        rows = RoutedExperts.forward(self, rows, local, rows.new_ones(R, 1), impl)
+        y = _Arrive.apply(rows, N * k).index_select(0, order.argsort()).view(N, k, -1)  # [N, k, d] back in place
+        return (y * gates.to(y.dtype)[..., None]).sum(1)
+
+# %% ../../nbs/10e_train_plan.ipynb #902b39ba
+def split_experts(model: nn.Module, degree: int, ratio: float) -> int:
+    "Put `PlannedExperts` in place of the routed experts of every MoE layer of `model`; return their bytes."
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in moes:
+        m.experts = PlannedExperts(m.experts, degree, ratio)
+    return sum(p.numel() * p.element_size() for m in moes for p in m.experts.parameters())
+
+# %% ../../nbs/10e_train_plan.ipynb #89162ae6
+def replica_mesh(world: int, degree: int):
+    "The 1-D mesh of the ranks that hold this rank's experts: `world // degree` ranks, `degree` apart."
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world // degree, degree), mesh_dim_names=("replica", "ep"))["replica"]
+
+# %% ../../nbs/10e_train_plan.ipynb #839d3276
+def shard_experts(model: nn.Module, dtype, mesh, offload: bool = False):
+    "`fully_shard` the experts of every MoE layer of `model` over `mesh`, as `apply_fsdp` shards a block."
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    for m in model.modules():
+        if isinstance(m, MoE):
+            fully_shard(m.experts, mesh=mesh, mp_policy=fsdp_policy(dtype), offload_policy=policy)
+
 # %% ../../nbs/10e_train_plan.ipynb #dd08b848
 def trace_step(
-    m: ModelConfig, training: TrainConfig, optim: OptimConfig, micro_batch: int, world: int = 1, dtype=None
+    m: ModelConfig,
+    training: TrainConfig,
+    optim: OptimConfig,
+    micro_batch: int,
+    world: int = 1,
+    dtype=None,
+    load_ratio: float = MonitorConfig().max_load_ratio,
 ) -> dict:
     "Per-GPU peak bytes by category in each phase (forward, backward, optimizer) of one step at `micro_batch`."
     dtype = dtype or gpu_dtype(training.precision)
     fsdp = training.parallel == "fsdp" and world > 1
+    degree = training.expert_parallel if world > 1 else 1
     with fake_world(world) if fsdp else nullcontext() as mesh:
+        replicas = replica_mesh(world, degree) if fsdp and degree > 1 else None
         with FakeTensorMode(), DataBound(training.seq_len), gpu_attention():
             model = apply_ac(CipherModel(m), training.activation_checkpoint)
+            split = split_experts(model, degree, load_ratio) if degree > 1 else 0  # this rank's bytes of experts
             if fsdp:
                 try:
+                    if replicas is not None:
+                        shard_experts(model, dtype, replicas, training.cpu_offload)
                     apply_fsdp(model, dtype, mesh=mesh, offload=training.cpu_offload)
                 except ValueError as e:  # e.g. a scalar parameter, which FSDP2 cannot shard
                     raise ConfigError(f"training.parallel=fsdp: FSDP2 refuses this model: {e}") from None
@@ -280,7 +362,9 @@ def trace_step(
         by["optimizer"] += held
     if world > 1 and not fsdp:
         for by in peaks.values():
-            by["gradients"] *= 2  # DDP's buckets
+            by["gradients"] += max(0, by["gradients"] - split)  # DDP's buckets: every gradient but the experts'
+        if world > degree > 1:
+            peaks["optimizer"]["gradients"] += split  # the flat copy in which the experts' replicas average
     return peaks
 
 # %% ../../nbs/10e_train_plan.ipynb #a1e0ad18
@@ -302,6 +386,13 @@ def count_flops(m: ModelConfig, training: TrainConfig, micro_batch: int = 1) -> 
                 loss = out.loss + sum(out.aux.values())
             loss.backward()
     return fc.get_total_flops()
+
+# %% ../../nbs/10e_train_plan.ipynb #4e2ee70c
+def all_to_all_bytes(m: ModelConfig, t: TrainConfig, micro_batch: int = None) -> int:
+    "Bytes a rank sends by all-to-all in one optimizer step at the mean load: each token's top_k rows, both ways."
+    tokens = (micro_batch or t.batch_size) * t.seq_len * t.grad_accum
+    passes = 4 + (2 if t.activation_checkpoint != "none" else 0)  # dispatch and combine, forward and backward
+    return passes * m.n_moe_layers * tokens * m.moe.top_k * m.d_model * gpu_dtype(t.precision).itemsize
 
 # %% ../../nbs/10e_train_plan.ipynb #c785bb41
 def phase_lines(b1: int, p1: dict, b2: int, p2: dict) -> dict:
@@ -348,6 +439,8 @@ class Plan:
     flops_per_token: float  # counted
     sizing_flops_per_token: float
     min_peak_gib: float = 0.0  # the peak at micro-batch 1: what the smallest plan of this layout needs
+    expert_parallel: int = 1  # ranks that split each MoE layer's routed experts
+    all_to_all_gib: float = 0.0  # what each GPU sends by all-to-all in an optimizer step (expert parallelism)
 
     @property
     def fits(self) -> bool:
@@ -381,7 +474,13 @@ def search_micro_batch(trace, traced: dict, limit: float) -> int:
 
 # %% ../../nbs/10e_train_plan.ipynb #7645d0fa
 def plan_run(
-    m: ModelConfig, t: TrainConfig, optim: OptimConfig, world: int = 8, gpu: str = "h100", say=lambda line: None
+    m: ModelConfig,
+    t: TrainConfig,
+    optim: OptimConfig,
+    world: int = 8,
+    gpu: str = "h100",
+    load_ratio: float = MonitorConfig().max_load_ratio,
+    say=lambda line: None,
 ) -> Plan:
     "The per-GPU plan of a run on `world` GPUs of kind `gpu`, from fake tensors on this CPU; `say` hears each trace."
     if t.batch_size > MOST_MICRO_BATCH:  # a trace grows with the micro-batch: a mistyped one would trace for hours
@@ -394,11 +493,12 @@ def plan_run(
 
     def trace(b):
         say(f"tracing one step at micro-batch {b}")
-        return trace_step(m, t, optim, b, world)
+        return trace_step(m, t, optim, b, world, load_ratio=load_ratio)
 
     traced = {b: trace(b) for b in sorted({1, max(2, t.batch_size)})}
     phase, by = peak(traced[t.batch_size])
     best = search_micro_batch(trace, traced, limit * GiB)
+    degree = t.expert_parallel if world > 1 else 1
     return Plan(
         gpu=gpu,
         world=world,
@@ -416,6 +516,8 @@ def plan_run(
         flops_per_token=count_flops(m, t) / t.seq_len,
         sizing_flops_per_token=flops_per_token(m, t.seq_len),
         min_peak_gib=round(sum(peak(traced[1])[1].values()) / GiB, 3),
+        expert_parallel=degree,
+        all_to_all_gib=round(all_to_all_bytes(m, t) / GiB, 3) if degree > 1 else 0.0,
     )
 
 # %% ../../nbs/10e_train_plan.ipynb #17cd57dd
@@ -450,6 +552,11 @@ def plan_lines(p: Plan) -> list:
     parts = " | ".join(f"{k} {v:.2f}" for k, v in c.items())
     diff = p.flops_per_token / p.sizing_flops_per_token - 1
     at_max = p.tokens_per_step(p.max_micro_batch)
+    d = p.expert_parallel
+    experts = [
+        f"  expert parallel  {d} ranks a group; all-to-all {p.all_to_all_gib:.2f} GiB sent per GPU a step "
+        f"({(d - 1) / d:.0%} of it off the GPU at balance); dispatch buffers of the busiest rank"
+    ]
     return [
         f"{p.world} x {gpu.name}, {p.parallel}, activation checkpointing {p.activation_checkpoint}",
         f"  usable per GPU   {p.capacity_gib:.1f} GiB ({gpu.memory_gib} less {CUDA_CONTEXT_GIB} CUDA context and "
@@ -459,7 +566,55 @@ def plan_lines(p: Plan) -> list:
         f"  fits             {'yes' if p.fits else 'NO'}; largest micro-batch {p.max_micro_batch} "
         f"({at_max:,} tokens per step; the preset's {p.tokens_per_step():,})",
         f"  FLOPs per token  {p.flops_per_token:.4g} counted, {p.sizing_flops_per_token:.4g} sizing ({diff:+.1%})",
+        *(experts if d > 1 else []),
     ]
+
+# %% ../../nbs/10e_train_plan.ipynb #d095f35b
+def ep_degrees(n_routed: int, world: int) -> list:
+    "The expert-parallel degrees of a run on `world` ranks: each divisor of both the routed experts and the ranks."
+    return [d for d in range(1, world + 1) if world % d == 0 and n_routed % d == 0]
+
+# %% ../../nbs/10e_train_plan.ipynb #063e21fb
+def launch_line(path: str, overrides: list, world: int) -> str:
+    "The `launch/` command that trains `path` with `overrides` on `world` GPUs: one node, or nodes of up to 8."
+    per = world if world <= 8 else math.gcd(world, 8)
+    nproc, args = "" if per == 8 else f"NPROC={per} ", " ".join([str(path), *overrides])
+    if world <= 8:
+        return f"PERSIST=/mnt/persist {nproc}launch/train_node.sh {args}"
+    nodes = f"NNODES={world // per} MASTER_ADDR=10.0.0.1 JOB_ID={Path(path).stem} SHARED=/mnt/shared"
+    return f"{nodes} {nproc}launch/train_multinode.sh {args}"
+
+# %% ../../nbs/10e_train_plan.ipynb #b442c2f0
+def plan_layouts(cfg, world: int, gpu: str) -> list:
+    "Each layout of `cfg`'s routed experts on `world` GPUs: parallelism, degree, peak per GPU, fit, refusal."
+    limit, rows = (1 - HEADROOM) * capacity_gib(gpu), []
+    for parallel, degree in product(("ddp", "fsdp"), ep_degrees(cfg.model.moe.n_routed, world)):
+        t = replace(cfg.training, parallel=parallel, expert_parallel=degree)
+        traced = trace_step(cfg.model, t, cfg.optim, t.batch_size, world, load_ratio=cfg.monitor.max_load_ratio)
+        gib = sum(peak(traced)[1].values()) / GiB
+        refused = [msg for ok, msg in expert_parallel_rules(replace(cfg, training=t), world) if not ok]
+        rows.append(
+            dict(parallel=parallel, degree=degree, peak_gib=round(gib, 2), fits=gib <= limit, refused=refused[:1])
+        )
+    return rows
+
+# %% ../../nbs/10e_train_plan.ipynb #ea53556d
+def layout_lines(rows: list, path: str, world: int, gpu: str, ratio: float) -> list:
+    "The layouts as lines: each one's peak and fit, and the `launch/` line of each that fits and runs today."
+    limit = (1 - HEADROOM) * capacity_gib(gpu)
+    lines = [
+        f"expert layouts on {world} x {GPUS[gpu].name}, within {limit:.1f} GiB; dispatch buffers of the busiest rank, "
+        f"its experts at {ratio:g}x the mean load (monitor.max_load_ratio)"
+    ]
+    for r in rows:
+        fit = "fits" if r["fits"] else "does not fit"
+        lines.append(f"  {r['parallel']:<4} expert_parallel={r['degree']:<3} peak {r['peak_gib']:7.2f} GiB  {fit}")
+        if r["refused"]:
+            lines.append(f"       not today: {r['refused'][0]}")
+        elif r["fits"]:
+            overrides = [f"training.parallel={r['parallel']}", f"training.expert_parallel={r['degree']}"]
+            lines.append(f"       {launch_line(path, overrides, world)}")
+    return lines
 
 # %% ../../nbs/10e_train_plan.ipynb #51673ec7
 @command(pos=["path"])
@@ -469,18 +624,31 @@ def cipher_plan(
     gpus: int = 8,  # the GPUs the run trains on (the world size)
     gpu: str = "h100",  # h100 (80 GB), h200 (141 GB) or a100 (80 GB)
     json: bool = False,  # print the plan as one JSON object
+    layouts: bool = False,  # also plan each layout of the routed experts over the GPUs (expert parallelism)
 ):
     "Plan a preset's per-GPU memory, largest micro-batch and FLOPs on `gpus` GPUs; exit 2 when it does not fit."
     try:
         cfg = load_config(path, overrides)
         if gpus < 1:
             raise ConfigError(f"--gpus {gpus}: give at least one")
+        refused = [msg for ok, msg in expert_parallel_rules(cfg, gpus) if not ok]
+        if refused:
+            raise ConfigError(refused[0])
+        if layouts and (gpus < 2 or cfg.model.n_moe_layers == 0 or cfg.model.moe.kind != "routed"):
+            raise ConfigError("--layouts splits routed experts: give --gpus 2 or more and a model with routed experts")
         p = plan_run(
-            cfg.model, cfg.training, cfg.optim, gpus, gpu, lambda s: print(f"cipher-plan: {s}", file=sys.stderr)
+            *(cfg.model, cfg.training, cfg.optim, gpus, gpu, cfg.monitor.max_load_ratio),
+            say=lambda s: print(f"cipher-plan: {s}", file=sys.stderr),
         )
+        rows = plan_layouts(cfg, gpus, gpu) if layouts else []
     except ConfigError as e:
         raise CliError(f"cipher-plan: {e}") from None
-    print(dumps(p.to_dict()) if json else "\n".join([f"cipher-plan {path or 'defaults'}", *plan_lines(p)]))
+    if json:
+        print(dumps({**p.to_dict(), **({"layouts": rows} if layouts else {})}))
+    else:
+        preset = path or "examples/configs/tiny-cpu.yaml"  # the defaults are tiny-cpu's, and launch/ takes a preset
+        extra = layout_lines(rows, preset, gpus, gpu, cfg.monitor.max_load_ratio) if rows else []
+        print("\n".join([f"cipher-plan {path or 'defaults'}", *plan_lines(p), *extra]))
     if not p.fits:
         raise CliError(f"cipher-plan: {misfit_line(p, cfg.training)}")
 
