@@ -173,6 +173,7 @@ def _fsdp_worker(rank, world, init_file, out_dir):
         assert type(model.layers[1].ffn.router.weight).__name__ == "DTensor"  # sharded
         steps = train(model, counter, batches(rank))
         torch.save(dict(names=[n for n, _ in counter.blocks], steps=steps), Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while the other still has FSDP2's collectives in flight
     finally:
         dist.destroy_process_group()
 
