@@ -143,6 +143,17 @@ def straight_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def one_thread():
+    "One intra-op thread, as the processes of `straight_run` and the other runs here have: the same sums, bit for bit."
+    import torch
+
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
 @pytest.fixture(scope="session")
 def features_run(tmp_path_factory) -> Path:
     "FEATURES trained for 6 steps, with an export: the run the plot tests draw (test_viz, test_notebook_kernel)."

@@ -11,20 +11,10 @@ import shutil
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, ROOT, rows, run_cli, run_in_process, same_weights, weights
 
 EMA = [*RESUME, "optim.ema=0.9"]  # 0.9: the warmed-up decay (0.1, 2/11, ...) moves over six steps, and the cap too
-
-
-@pytest.fixture
-def one_thread():
-    "One intra-op thread, as the processes of conftest's runs have (OMP_NUM_THREADS=1): the same sums, bit for bit."
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
 
 
 def train(out, *args):

@@ -196,15 +196,6 @@ def test_fsdp2_ranks_end_each_step_with_the_same_biases():
             assert not torch.equal(a["after"][layer], a["before"][layer])
 
 
-@pytest.fixture
-def one_thread():
-    "One intra-op thread, as conftest's `straight_run` trains (OMP_NUM_THREADS=1): the same sums, bit for bit."
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
-
-
 def biases(run, step: int) -> dict:
     "The balancing biases in a run's checkpoint of `step`, by name."
     from cipher_nb.persist.files import load_checkpoint
