@@ -459,11 +459,17 @@ def bias_rate(m, step: int | None = None, horizon: int | None = None) -> float:
 
 # %% ../../nbs/05_model_moe.ipynb #7bb1cae9
 def bias_step(load, gamma: float, rule: str = "overload"):
-    "The bias's move [E] for one step's `load` [E], mean-centred: `gamma * sign(mean - load)`, overloads scaled up."
+    "The bias's move [E] for one step's `load` [E], mean-centred: `gamma * sign(mean - load)`, scaled by `rule`."
     load = load.float()
     mean = load.mean()
     err = (mean - load) / mean.clamp_min(1e-12)  # 0 at an even share, 1 with no token, -1 at twice the mean
-    delta = gamma * torch.sign(err) * (err.abs().clamp_min(1) if rule == "overload" else 1)
+    scale = torch.ones_like(err)
+    if rule != "sign":  # an overloaded expert moves by its excess beyond the mean
+        scale = torch.where(err < 0, err.abs().clamp_min(1), scale)
+    if rule == "proportional":  # a starved one by log2 of its shortfall, at most 8 (under 1/256 of an even share)
+        share = load / mean.clamp_min(1e-12)
+        scale = torch.where(err > 0, torch.log2(1 / share.clamp_min(1 / 256)).clamp_min(1), scale)
+    delta = gamma * torch.sign(err) * scale
     return delta - delta.mean()  # the biases keep summing to zero
 
 # %% ../../nbs/05_model_moe.ipynb #c4d614b1
