@@ -1,0 +1,67 @@
+"""The MoE against dense, one record: reads `benchmarks/quality.py` results (its `--out`.json) and writes each
+budget's and recipe's verdict on the MoE - dense held-out bits per byte to `benchmarks/results/moe-vs-dense.json`.
+
+    python benchmarks/moe_vs_dense.py benchmarks/results/2026-12-05-moe-vs-dense-90s-default.json \
+        --recipe default --budget 90s --max-seeds 5
+
+A record is keyed by (recipe, budget): adding one again replaces it, so the file holds each comparison's latest
+figures, with the command that made them. The verdict is recomputed from the runs by the one function every ablation
+uses (`cipher_nb.eval.verdict`): sequential when the comparison added seeds until decided (`--max-seeds`, the
+`--seeds` it was planned for), else the 95% paired interval.
+"""
+
+import argparse
+import json
+from datetime import date
+from pathlib import Path
+
+from cipher_nb.eval.verdict import paired_verdict, sequential_verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "benchmarks/results/moe-vs-dense.json"
+
+
+def moe_minus_dense(runs: list, max_seeds: int = 0) -> dict:
+    "The verdict on MoE - dense over the seeds both ran, from quality.py's runs ({name, seed, bpb})."
+    bpb = {(r["name"], r["seed"]): r["bpb"] for r in runs}
+    seeds = sorted(s for n, s in bpb if n == "moe" and ("dense", s) in bpb)
+    if not seeds:
+        raise SystemExit("moe_vs_dense: these results hold no seed that both 'moe' and 'dense' ran")
+    a, b = [bpb["moe", s] for s in seeds], [bpb["dense", s] for s in seeds]
+    names = ("MoE", "dense")
+    v = sequential_verdict(a, b, max_seeds, names) if max_seeds else paired_verdict(a, b, names)
+    return {**v, "seed_list": seeds, "moe_bpb": a, "dense_bpb": b}
+
+
+def add_record(record: dict, recipe: str, budget: str, result: dict, max_seeds: int = 0, when: str = "") -> dict:
+    "`record` with the (recipe, budget) comparison of one quality.py `result` set (replacing an older one)."
+    entry = dict(
+        recipe=recipe,
+        budget=budget,
+        date=when or date.today().isoformat(),
+        command=result.get("command", ""),
+        **moe_minus_dense(result["runs"], max_seeds),
+    )
+    rows = [r for r in record.get("comparisons", []) if (r["recipe"], r["budget"]) != (recipe, budget)]
+    return {**record, "comparisons": sorted(rows + [entry], key=lambda r: (r["recipe"], r["budget"]))}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("result", help="a benchmarks/quality.py --out .json holding 'moe' and 'dense' runs")
+    p.add_argument("--recipe", required=True, help="the recipe's name: default (tiny-cpu), 90s (tiny-cpu-90s), ...")
+    p.add_argument("--budget", required=True, help="the budget as quality.py was given it: 90s, 8m")
+    p.add_argument("--max-seeds", type=int, default=0, help="the planned seeds of a --sequential run (0: not one)")
+    p.add_argument("--out", default=str(RECORD), help="the record to update")
+    a = p.parse_args()
+    out = Path(a.out)
+    record = json.loads(out.read_text()) if out.exists() else {}
+    record = add_record(record, a.recipe, a.budget, json.loads(Path(a.result).read_text()), a.max_seeds)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    for r in record["comparisons"]:
+        iv = f"[{r['low']:+.4f}, {r['high']:+.4f}]"
+        print(f"{r['recipe']:>8} {r['budget']:>4}: MoE - dense {r['mean']:+.4f} {iv} over {r['seeds']}: {r['verdict']}")
+
+
+if __name__ == "__main__":
+    main()

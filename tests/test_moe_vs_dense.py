@@ -1,0 +1,42 @@
+"""benchmarks/moe_vs_dense.py: the record's verdict is the paired one, recomputed from quality.py's runs by hand."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("moe_vs_dense", Path(__file__).parents[1] / "benchmarks/moe_vs_dense.py")
+mvd = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mvd)
+
+
+def _runs(moe, dense):
+    return [dict(name="moe", seed=s, bpb=b) for s, b in enumerate(moe)] + [
+        dict(name="dense", seed=s, bpb=b) for s, b in enumerate(dense)
+    ]
+
+
+def test_record_holds_the_paired_difference():
+    moe, dense = [2.00, 2.10, 2.05], [2.10, 2.15, 2.12]
+    rec = mvd.add_record({}, "default", "90s", dict(command="c", runs=_runs(moe, dense)), when="2026-12-05")
+    (r,) = rec["comparisons"]
+    d = [m - x for m, x in zip(moe, dense)]  # by hand: -0.10, -0.05, -0.07
+    mean = sum(d) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 2)
+    half = 4.302652729911275 * sd / math.sqrt(3)  # t(0.975, 2)
+    assert (r["recipe"], r["budget"], r["seeds"], r["signs"]) == ("default", "90s", 3, "---")
+    assert math.isclose(r["mean"], mean) and math.isclose(r["high"], mean + half, rel_tol=1e-6)
+    assert r["verdict"].startswith("MoE better")
+
+
+def test_a_record_replaces_its_older_self_and_keeps_the_others():
+    res = dict(runs=_runs([2.0, 2.1], [2.0, 2.2]))
+    rec = mvd.add_record({}, "default", "90s", res)
+    rec = mvd.add_record(rec, "90s", "90s", res)
+    rec = mvd.add_record(rec, "default", "90s", dict(runs=_runs([2.3, 2.4], [2.0, 2.2])))
+    assert [(r["recipe"], r["budget"]) for r in rec["comparisons"]] == [("90s", "90s"), ("default", "90s")]
+    assert rec["comparisons"][1]["moe_bpb"] == [2.3, 2.4]
+
+
+def test_sequential_verdict_when_planned():
+    r = mvd.moe_minus_dense(_runs([2.0, 2.1, 2.05], [2.1, 2.15, 2.12]), max_seeds=5)
+    assert r["level"] > 0.95 and "stop" in r  # each look's share of the 5%
