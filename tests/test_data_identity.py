@@ -87,11 +87,13 @@ def _source_ckpt(tmp_path, cfg, fp):
 
 
 def test_refinement_from_an_unpinned_source_is_refused_unless_allowed(tmp_path):
+    "Over hub data read on the fly a refinement is not one pass: it has a horizon of its own (schedule.max_steps)."
     src = _source_ckpt(tmp_path, load_config(None, HUB), "fp")
+    refine = ["stage.name=refinement", "schedule.max_steps=100"]
     with pytest.raises(StageError, match=r"unpinned hub source(.|\n)*stage.allow_unpinned=true"):
-        unpinned = load_config(None, ["stage.name=refinement", *HUB])
+        unpinned = load_config(None, [*refine, *HUB])
         check_init_source(src, unpinned.stage, unpinned.data, "fp")
-    accepted = load_config(None, ["stage.name=refinement", "stage.allow_unpinned=true", *HUB])
+    accepted = load_config(None, [*refine, "stage.allow_unpinned=true", *HUB])
     check_init_source(src, accepted.stage, accepted.data, "fp")
 
 
