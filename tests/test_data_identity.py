@@ -87,11 +87,13 @@ def _source_ckpt(tmp_path, cfg, fp):
 
 
 def test_refinement_from_an_unpinned_source_is_refused_unless_allowed(tmp_path):
+    "Over hub data read on the fly a refinement is not one pass: it has a horizon of its own (schedule.max_steps)."
     src = _source_ckpt(tmp_path, load_config(None, HUB), "fp")
+    refine = ["stage.name=refinement", "schedule.max_steps=100"]
     with pytest.raises(StageError, match=r"unpinned hub source(.|\n)*stage.allow_unpinned=true"):
-        unpinned = load_config(None, ["stage.name=refinement", *HUB])
+        unpinned = load_config(None, [*refine, *HUB])
         check_init_source(src, unpinned.stage, unpinned.data, "fp")
-    accepted = load_config(None, ["stage.name=refinement", "stage.allow_unpinned=true", *HUB])
+    accepted = load_config(None, [*refine, "stage.allow_unpinned=true", *HUB])
     check_init_source(src, accepted.stage, accepted.data, "fp")
 
 
@@ -176,3 +178,31 @@ def test_splitting_long_files_changes_the_fingerprint_only_where_it_changes_what
         check_init_source(src, refine.stage, refine.data, D.data_fingerprint(refine.data))
     for cfg in (files_cfg(corpus, max_bytes=0), files_cfg(corpus, max_bytes=1 << 16), Config()):
         assert D.data_fingerprint(cfg.data) == _fingerprint_before_split(cfg)  # nothing cut, nothing split: unchanged
+
+
+def test_cipher_data_pin_pins_every_hub_source_of_the_spider_preset_from_the_local_cache(tmp_path, monkeypatch):
+    "Offline: each source's commit from a hub cache (refs/main); the refusal for an unpinned source names the command."
+    from conftest import ROOT, run_in_process
+
+    from cipher_nb.data.sources import unpinned_sources
+    from cipher_nb.persist.shards import cipher_data
+
+    preset = ROOT / "examples/configs/flexitokens-h100.yaml"
+    hub = unpinned_sources(load_config(preset).data)
+    assert len(hub) == 6
+    for i, spec in enumerate(hub):
+        ref = tmp_path / "hub" / f"datasets--{spec.path.replace('/', '--')}" / "refs" / "main"
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(f"{i:040x}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    r = run_in_process(cipher_data, "pin", preset, "--out", tmp_path / "pinned.yaml", pos=["preset"])
+    assert r.returncode == 0 and r.stdout.count("pinned data.sources.") == 6, r.stdout + r.stderr
+    pinned = load_config(tmp_path / "pinned.yaml")
+    assert unpinned_sources(pinned.data) == [] and pinned.model == load_config(preset).model
+    src = _source_ckpt(tmp_path, load_config(preset), "fp")
+    with pytest.raises(StageError, match="cipher-data pin PRESET --out PINNED.yaml"):
+        unpinned = load_config(preset, ["stage.name=refinement", "schedule.max_steps=5000"])
+        check_init_source(src, unpinned.stage, unpinned.data, "fp")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    r = run_in_process(cipher_data, "pin", preset, "--out", tmp_path / "again.yaml", pos=["preset"])
+    assert r.returncode == 2 and "pin with --api" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -17,6 +17,8 @@ from conftest import TINY, rows
 from test_reliability import in_process, nothing_written, script
 
 from cipher_nb.config.load import load_config
+from cipher_nb.config.schema import DataConfig
+from cipher_nb.config.sizing import prepared_tokens
 from cipher_nb.data.codecs import build_codec
 from cipher_nb.data.loader import mixture_loader
 from cipher_nb.model.lm import CipherModel
@@ -182,7 +184,27 @@ def test_a_refinement_is_planned_as_one_pass_over_the_prepared_tokens(prepared):
     )
     assert f", {steps * 256 / train:.2f} epochs of {train:,}" in r.stdout
     r = run_in_process(cipher_config, preset, *TINY, "training.epochs=1", pos=["path"])  # on the fly: no count
-    assert r.returncode == 2 and "schedule.epochs counts passes over prepared shards" in r.stderr, r.stderr
+    assert r.returncode == 2 and "stage refinement is one pass over its data" in r.stderr, r.stderr
+    assert "counted over prepared shards only" in r.stderr and "schedule.max_steps=N" in r.stderr
+
+
+def test_a_refinement_over_a_pretraining_preset_is_one_pass_by_default(prepared):
+    "`PRESET stage.name=refinement` on prepared shards: the preset's horizon gives way to one uncapped pass."
+    from conftest import ROOT, run_in_process
+
+    from cipher_nb.config.sizing import cipher_config
+
+    preset = ROOT / "examples/configs/tiny-cpu.yaml"
+    train = json.loads((prepared / "manifest.json").read_text())["tokens"]["train"]
+    shards = ["data.source=shards", f"data.path={prepared}"]
+    r = run_in_process(cipher_config, preset, *TINY, *shards, "stage.name=refinement", pos=["path"])
+    steps = train // (2 * 64)  # one pass at 1 rank x 2 windows x 64 tokens a step, no schedule.max_steps cap
+    assert r.returncode == 0 and f"# plan at 1 rank(s): {steps:,} steps (schedule.epochs = 1) x 128" in r.stdout
+    assert "# stage refinement replaces the preset's schedule.max_steps" in r.stdout, r.stdout[-800:]
+    cfg = load_config(preset, [*TINY, *shards, "stage.name=refinement", "schedule.max_steps=70"])
+    assert (cfg.schedule.epochs, cfg.schedule.max_steps) == (0, 70)  # a horizon given for the stage is its own
+    by_name = DataConfig(sources={"main": {"source": "shards", "path": str(prepared)}})
+    assert prepared_tokens(by_name) == train  # the directory read by its source's name, as a curriculum reads it
 
 
 def test_a_loader_over_shards_resumes_exactly(prepared):

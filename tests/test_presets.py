@@ -32,7 +32,7 @@ def test_preset_builds_on_meta_with_its_counted_parameters(path):
     assert sum(p.numel() for p in model.parameters()) == param_counts(cfg.model)["total"], path.name
 
 
-GPU_PRESETS = [p for p in PRESETS if "h100" in p.stem]
+GPU_PRESETS = [p for p in PRESETS if "cpu" not in p.stem]  # h100, wide-h100, flexitokens-h100, qwen3, gpu-card-*
 
 
 @pytest.mark.parametrize("path", GPU_PRESETS, ids=lambda p: Path(p).stem)
@@ -47,7 +47,9 @@ def test_sft_on_a_gpu_preset_takes_the_guides_schedule_and_names_what_it_replace
     s, t = cfg.schedule, cfg.training
     assert (s.lr, s.min_lr, s.epochs, s.warmup_frac, s.warmup_steps, s.max_steps) == (2e-5, 0.0, 3, 0.03, 0, 0)
     assert (t.eval_every, t.checkpoint_every, t.eval_at_start) == (0, 0, True)  # an evaluation and a save per epoch
-    assert cfg.model == preset.model and cfg.optim == preset.optim  # the stage replaces its own keys only
+    o = cfg.optim
+    assert (o.name, list(o.betas), o.weight_decay) == ("adamw", [0.9, 0.95], 0.1)  # the guide's AdamW
+    assert cfg.model == preset.model and cfg.training.precision == preset.training.precision
     r = run_in_process(cipher_config, str(path), "stage.name=sft", pos=["path"])
     assert r.returncode == 0, r.stderr
     said = next(line for line in r.stdout.splitlines() if line.startswith("# stage sft replaces the preset's "))
@@ -59,6 +61,42 @@ def test_sft_on_a_gpu_preset_takes_the_guides_schedule_and_names_what_it_replace
     r = run_in_process(cipher_config, str(path), "stage.name=sft", "schedule.lr=1e-5", pos=["path"])
     assert "schedule.lr" not in next(x for x in r.stdout.splitlines() if x.startswith("# stage"))  # given for it
     assert "lr: 1.0e-05" in r.stdout
+
+
+def test_sft_over_a_muon_preset_trains_with_the_guides_adamw():
+    "A stage never inherits the pretraining optimizer: Muon's hidden matrices would train at optim.muon_lr."
+    preset = ROOT / "examples/configs/tiny-cpu-90s.yaml"
+    assert load_config(preset).optim.name == "muon"
+    assert load_config(preset, ["stage.name=sft"]).optim.name == "adamw"
+    assert load_config(preset, ["stage.name=sft", "optim.name=muon"]).optim.name == "muon"  # given for the stage
+
+
+def shards_overrides(cfg, path) -> list:
+    "The overrides that read `cfg`'s data from the prepared directory `path`: each named source's, or the one source."
+    if not cfg.data.sources:
+        return ["data.source=shards", f"data.path={path}"]
+    return [f"data.sources.{n}.{k}" for n in cfg.data.sources for k in ("source=shards", f"path={path}")]
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS, ids=lambda p: Path(p).stem)
+def test_refinement_on_a_gpu_preset_is_one_pass_over_its_prepared_data(path, tmp_path):
+    "`PRESET stage.name=refinement` (launch/'s stage 2): one uncapped pass over prepared shards; on the fly, refused."
+    from conftest import run_in_process
+
+    from cipher_nb.config.sizing import cipher_config
+
+    preset = load_config(path)
+    shards = shards_overrides(preset, tmp_path / "shards")
+    cfg = load_config(path, ["stage.name=refinement", *shards])
+    s = cfg.schedule
+    assert (s.epochs, s.max_steps, s.target_tokens, s.time_budget) == (1, 0, 0, "")
+    assert cfg.model == preset.model and cfg.optim == preset.optim and s.lr == preset.schedule.lr
+    r = run_in_process(cipher_config, str(path), "stage.name=refinement", pos=["path"])  # its hub data, on the fly
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "stage refinement is one pass over its data" in r.stderr
+    assert ("data.sources.NAME: {source: shards" if preset.data.sources else "data.source=shards") in r.stderr
+    own = load_config(path, ["stage.name=refinement", "schedule.max_steps=5000"])  # a horizon of its own, not a pass
+    assert (own.schedule.epochs, own.schedule.max_steps, own.schedule.target_tokens) == (0, 5000, 0)
 
 
 def test_flexitokens_h100_has_the_training_scripts_shapes():

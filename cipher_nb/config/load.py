@@ -6,11 +6,10 @@ Docs: https://cipher-nb.github.io/cipher_nb/config_load.html.md"""
 
 # %% auto #0
 __all__ = ['LEGACY_KEYS', 'ROLES', 'ROLE_KEYED', 'ROLE_ALIASES', 'MOE_MAX_LR', 'ConfigError', 'upgrade_roles', 'upgrade_keys',
-           'build_section', 'stage_defaults', 'config_from_dict', 'model_config', 'parse_duration', 'model_rules',
-           'schedule_rules', 'global_batch_tokens', 'token_budget_steps', 'budget_rules', 'data_rules', 'sft_rules',
-           'stage_rules', 'validate', 'runbook_warnings', 'apply_overrides', 'stage_config', 'DuplicateKeyError',
-           'UniqueKeyLoader', 'read_preset', 'load_config', 'save_config', 'critical_dict', 'config_hash',
-           'critical_diff']
+           'build_section', 'config_from_dict', 'model_config', 'parse_duration', 'model_rules', 'schedule_rules',
+           'global_batch_tokens', 'token_budget_steps', 'budget_rules', 'data_rules', 'sft_rules', 'stage_rules',
+           'validate', 'runbook_warnings', 'apply_overrides', 'stage_config', 'DuplicateKeyError', 'UniqueKeyLoader',
+           'read_preset', 'load_config', 'save_config', 'critical_dict', 'config_hash', 'critical_diff']
 
 # %% ../../nbs/01_config_load.ipynb #4220b6fb
 import copy
@@ -29,6 +28,7 @@ import yaml
 from .parallel import expert_parallel_rules
 from .precision import precision_rules
 from .schema import *  # the sections and allowed values: cipher_nb.config.load re-exports them
+from .stages import leaf_paths, refinement_rules, stage_defaults
 
 # %% ../../nbs/01_config_load.ipynb #131496a9
 class ConfigError(ValueError):
@@ -211,25 +211,6 @@ def build_section(cls, d: dict, key: str):
 
 # %% ../../nbs/01_config_load.ipynb #2198df59
 _SECTIONS = {f.name: f.type for f in fields(Config)}
-
-
-def _paths(d: dict, prefix: str = "") -> dict:
-    "The leaves of the nested dict `d` by their dotted paths (`schedule.lr`)."
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        out.update(_paths(v, key + ".") if isinstance(v, dict) and v else {key: v})
-    return out
-
-
-def stage_defaults(d: dict) -> dict:
-    "The defaults (path -> value) of the stage the config dict `d` names; under LoRA the routing bias stays put."
-    stage = d["stage"].get("name") if isinstance(d.get("stage"), dict) else None
-    out = _paths(STAGE_DEFAULTS.get(stage, {})) if isinstance(stage, str) else {}
-    lora = d["sft"].get("lora_rank") if isinstance(d.get("sft"), dict) else None
-    if stage == "sft" and lora not in (None, 0, "0"):
-        out["model.moe.bias_gamma"] = 0.0  # only the adapters train: the experts' balance stays as pretrained
-    return out
 
 # %% ../../nbs/01_config_load.ipynb #1b09eec7
 def _budget_defaults(s):
@@ -461,7 +442,7 @@ def budget_rules(s: ScheduleConfig, d: DataConfig, stage: str = "pretrain") -> l
     shards = d.source == "shards" or any(x.get("source") == "shards" for x in d.sources.values() if isinstance(x, dict))
     return [
         (
-            not s.epochs or shards or stage == "sft",
+            not s.epochs or shards or stage != "pretrain",  # a refinement: refinement_rules; SFT: its examples
             "schedule.epochs counts passes over prepared shards (or SFT's examples): set data.source=shards and "
             "data.path",
         ),
@@ -497,7 +478,7 @@ def sft_rules(s: SFTConfig) -> list:
 def stage_rules(cfg: Config) -> list:
     "(holds, message) for each key the run's stage derives: left at the stage's default, or refused naming the key."
     name = cfg.stage.name
-    defaults = _paths(STAGE_DEFAULTS.get(name, {}))
+    defaults = leaf_paths(STAGE_DEFAULTS.get(name, {}))
     out = [
         (
             _at(cfg, key) == defaults[key],
@@ -522,7 +503,7 @@ def validate(cfg: Config) -> Config:
     token_budget_steps(cfg.schedule, cfg.training)  # at world size 1; the builder checks again at the run's world size
     rules = [*stage_rules(cfg), *model_rules(cfg.model), *schedule_rules(cfg.schedule), *data_rules(cfg.data)]
     rules += [*sft_rules(cfg.sft), *budget_rules(cfg.schedule, cfg.data, cfg.stage.name)]
-    rules += [*expert_parallel_rules(cfg), *precision_rules(cfg)]
+    rules += [*expert_parallel_rules(cfg), *precision_rules(cfg), *refinement_rules(cfg)]
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)
@@ -597,8 +578,8 @@ def stage_config(preset: dict, overrides=()) -> tuple:
     own = base["stage"].get("name", "pretrain") if isinstance(base.get("stage"), dict) else "pretrain"
     if d["stage"].get("name", "pretrain") == own if isinstance(d.get("stage"), dict) else own == "pretrain":
         return d, []
-    given, was, replaced = _paths(apply_overrides({}, overrides)), _paths(base), []
-    for key, v in stage_defaults(d).items():
+    given, was, replaced = leaf_paths(apply_overrides({}, overrides)), leaf_paths(base), []
+    for key, v in stage_defaults(d, whole=False).items():
         if key in was and key not in given:
             *path, leaf = key.split(".")
             _node(d, path).pop(leaf)

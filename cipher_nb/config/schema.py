@@ -479,8 +479,10 @@ STAGE_DEFAULTS = {  # what a stage starts from instead of a pretraining preset's
         "schedule": dict(lr=2e-5, min_lr=0.0, warmup_steps=0, warmup_frac=0.03, max_steps=0, epochs=3)
         | dict(target_tokens=0, time_budget=""),
         "training": dict(eval_every=0, checkpoint_every=0, eval_at_start=True, early_stop_patience=0),
+        "optim": dict(name="adamw", betas=[0.9, 0.95], weight_decay=0.1),  # the guide's AdamW, whatever pretrained
     },
-    "refinement": {},  # the preset's schedule for now; one pass over the pretraining data (issue 51) goes here
+    # one pass over its prepared data (cipher_nb.config.stages says when a refinement keeps a horizon of its own)
+    "refinement": {"schedule": dict(epochs=1, max_steps=0, target_tokens=0, time_budget="")},
 }
 
 

@@ -192,17 +192,31 @@ def kv_cache_line(m: ModelConfig) -> str:
     return line
 
 # %% ../../nbs/01d_config_sizing.ipynb #b2acee3c
-def prepared_tokens(data: DataConfig) -> int:
-    "The training tokens of a prepared shards directory (`data.source: shards`), from its manifest; 0 otherwise."
-    f = Path(data.path).expanduser() / "manifest.json"  # the format: cipher_nb.data.shards (a later band)
-    if data.source != "shards" or not f.is_file():
+def _train_tokens(path, name: str = "") -> int:
+    "The training tokens of the prepared directory `path` (of its source `name` only, when given); 0 without one."
+    f = Path(path).expanduser() / "manifest.json"  # the format: cipher_nb.data.shards (a later band)
+    if not f.is_file():
         return 0
     try:
-        return int(json.loads(f.read_text()).get("tokens", {}).get("train", 0))
-    except (ValueError, UnicodeDecodeError, AttributeError, TypeError):  # not JSON, or not a manifest's shape
+        m = json.loads(f.read_text())
+        if not name:
+            return int(m.get("tokens", {}).get("train", 0))
+        return sum(int(r["tokens"]) for r in m["shards"] if r["split"] == "train" and r["source"] == name)
+    except (ValueError, UnicodeDecodeError, AttributeError, TypeError, KeyError):  # not JSON, or not a manifest's
         raise ConfigError(
-            f"{f} is not a shards manifest: prepare it again with: cipher-data prepare PRESET --out {data.path}"
+            f"{f} is not a shards manifest: prepare it again with: cipher-data prepare PRESET --out {path}"
         ) from None
+
+
+def prepared_tokens(data: DataConfig) -> int:
+    "The training tokens a run reads from prepared shards: `data.source: shards`, or every named source's; 0 otherwise."
+    if not data.sources:
+        return _train_tokens(data.path) if data.source == "shards" else 0
+    named = data.sources.items()
+    if not all(isinstance(s, dict) and s.get("source") == "shards" for _, s in named):
+        return 0  # a source read on the fly: the data size is not known up front
+    counts = [_train_tokens(s.get("path", ""), name) for name, s in named]
+    return sum(counts) if all(counts) else 0
 
 # %% ../../nbs/01d_config_sizing.ipynb #ae4acf9c
 def horizon_key(s: ScheduleConfig) -> str:

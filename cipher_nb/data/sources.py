@@ -118,7 +118,8 @@ def pin_hint(data_cfg: DataConfig, spec: SourceSpec) -> str:
     rev = f"revision {spec.revision!r}, a branch or tag" if spec.revision else "no revision"
     return (
         f"data source {spec.name!r} (hub {spec.path}) has {rev}, so its documents can change under the same name: "
-        f"pin it with {key}=<commit hash of the dataset>"
+        f"pin it with {key}=<commit hash of the dataset>, or every hub source at once: "
+        "cipher-data pin PRESET --out PINNED.yaml"
     )
 
 # %% ../../nbs/02_data_sources.ipynb #0ec4c107

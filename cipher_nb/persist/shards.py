@@ -33,6 +33,7 @@ from ..cli import EXIT_FAILED, EXIT_OK, command
 from ..config.load import ConfigError, DataConfig, load_config
 from ..data.codecs import build_codec
 from ..data.documents import doc_size
+from ..data.pin import pin_command
 from ..data.shards import FORMAT, MANIFEST, check_shard, encode_shard, shard_dtype, shard_file
 from ..data.sources import DataError, data_fingerprint, data_manifest, has_heldout, open_stream, split_sources
 from .files import fsync_dir, write_durable, write_json_atomic
@@ -252,7 +253,7 @@ def prepare_shards(
 # %% ../../nbs/09e_persist_shards.ipynb #398530e8
 @command(pos=["preset"])
 def cipher_data(
-    action: str,  # what to do: prepare
+    action: str,  # what to do: prepare, or pin (a copy of the preset with its hub sources pinned, to --out)
     preset: str = None,  # a YAML preset whose data section is prepared (default: the built-in config)
     *overrides: str,  # section.key=value overrides, e.g. data.codec=tokenizer data.tokenizer=tok.json
     out: str = None,  # the directory the shards and their manifest go to
@@ -261,10 +262,13 @@ def cipher_data(
     wait: bool = False,  # wait for another prepare of --out to finish instead of refusing
     force: bool = False,  # write into a directory that holds other files (never into a run directory)
     quiet: bool = False,  # no progress bar
+    api: bool = False,  # pin: ask the Hub for a commit the local hub cache does not hold
 ):
     "Tokenize a preset's documents once into memory-mapped shards with a manifest; train with data.source=shards."
+    if action == "pin":
+        return pin_command(preset, overrides, out, api)
     if action != "prepare":
-        raise CliError(f"cipher-data: unknown action {action!r}: the one action is prepare")
+        raise CliError(f"cipher-data: unknown action {action!r}: the actions are prepare and pin")
     if preset and "=" in preset and not preset.endswith((".yaml", ".yml")):
         preset, overrides = None, (preset, *overrides)
     if not out or procs < 1 or shard_mb <= 0:
