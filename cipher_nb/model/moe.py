@@ -458,18 +458,19 @@ def bias_rate(m, step: int | None = None, horizon: int | None = None) -> float:
     return gamma * (BIAS_BOOST if step is not None and step <= m.bias_boost_steps else 1)
 
 # %% ../../nbs/05_model_moe.ipynb #7bb1cae9
-def bias_step(load, gamma: float, rule: str = "overload"):
+def bias_step(load, gamma: float, rule: str = "overload", climb: float | None = None):
     "The bias's move [E] for one step's `load` [E], mean-centred: `gamma * sign(mean - load)`, scaled by `rule`."
     load = load.float()
     mean = load.mean()
     err = (mean - load) / mean.clamp_min(1e-12)  # 0 at an even share, 1 with no token, -1 at twice the mean
-    scale = torch.ones_like(err)
+    step = torch.full_like(err, gamma)
     if rule != "sign":  # an overloaded expert moves by its excess beyond the mean
-        scale = torch.where(err < 0, err.abs().clamp_min(1), scale)
-    if rule == "proportional":  # a starved one by log2 of its shortfall, at most 8 (under 1/256 of an even share)
+        step = torch.where(err < 0, gamma * err.abs().clamp_min(1), step)
+    if rule == "proportional":  # a starved one by `climb` (default gamma) x log2 of its shortfall, at most 8
         share = load / mean.clamp_min(1e-12)
-        scale = torch.where(err > 0, torch.log2(1 / share.clamp_min(1 / 256)).clamp_min(1), scale)
-    delta = gamma * torch.sign(err) * scale
+        up = (gamma if climb is None else climb) * torch.log2(1 / share.clamp_min(1 / 256))
+        step = torch.where(err > 0, torch.maximum(step, up), step)
+    delta = torch.sign(err) * step
     return delta - delta.mean()  # the biases keep summing to zero
 
 # %% ../../nbs/05_model_moe.ipynb #c4d614b1
@@ -606,7 +607,8 @@ class MoE(nn.Module):
         "One balancing step from `load` [E] at optimizer `step` of a run planned for `horizon` steps (`bias_step`)."
         m = self.cfg.moe
         if m.bias_balance:
-            self.expert_bias += bias_step(load.to(self.expert_bias.device), bias_rate(m, step, horizon), m.bias_rule)
+            rate = bias_rate(m, step, horizon)
+            self.expert_bias += bias_step(load.to(self.expert_bias.device), rate, m.bias_rule, m.bias_gamma)
 
     def update_bias(self):
         "Update the balancing bias from this step's counts (summed across ranks when distributed)."
