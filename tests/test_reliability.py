@@ -79,7 +79,7 @@ def exporter(*args) -> Result:
     "`cipher-export ARGS` in this process (`_export_forced` runs it as a process)."
     from cipher_nb.persist.hf import cipher_export
 
-    r = run_in_process(cipher_export, *args)
+    r = run_in_process(cipher_export, *args, pos=["out"])  # OUT is an optional positional, as its script has it
     return Result(r.returncode, r.stderr, r.stdout)
 
 

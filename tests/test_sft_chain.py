@@ -98,6 +98,8 @@ def test_chain_sft_improves_on_its_source(sft_run, capsys):
     assert (sft_run / "checkpoints/best/COMPLETE").exists() and (sft_run / "final/model.safetensors").exists()
     assert rec["stage"] == "sft" and rec["mode"] == "full" and rec["source_checkpoint"]["stage"] == "refinement"
     assert any(n.startswith("sft data stdlib-qa") for n in rec["limitations"])
+    manifest = json.loads((sft_run / "sft_manifest.json").read_text())  # checked before step 0, kept in the record
+    assert rec["data"]["sft_manifest"] == manifest and manifest["seq_len"] == 256 and "python" in manifest["source"]
     assert [e["step"] for e in rec["evals"]] == [0, spe, 2 * spe] and rec["selection_rule"]
     s, t = cfg["schedule"], cfg["training"]  # the config as asked: the stage derives its steps, never writes them
     assert (s["lr"], s["epochs"], s["max_steps"], t["eval_every"], t["eval_at_start"]) == (2e-3, 2, 0, 0, True)
@@ -217,3 +219,33 @@ def test_bad_sft_data_is_one_clear_line(tmp_path):
         assert r.returncode != 0 and str(bad) in r.stderr and fragment in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr and r.stderr.strip().startswith("cipher-train: "), r.stderr[-2000:]
         assert not run.exists()  # nothing half-written
+
+
+def test_a_resume_on_changed_sft_data_is_refused(sft_run, tmp_path):
+    "A resume whose SFT data no longer matches RUN/sft_manifest.json stops in one line, before anything is read."
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(dict(instruction="Hi.", output="Hello.")) + "\n")
+    r = refused(sft_run, "--resume", "auto", f"sft.data={other}")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert f"does not match {sft_run / 'sft_manifest.json'}: other.jsonl is new" in lines[0]
+
+
+def test_sft_manifest_refusals_are_one_line(tmp_path):
+    "Over-length data, data that differs from a given sft.manifest, an unpinned hub name: exit 2, nothing written."
+    data = tmp_path / "chats.jsonl"
+    rows = [dict(instruction=f"Count to {i}.", output=str(i)) for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*rows, dict(instruction="Repeat.", output="x" * 400)]))
+    manifest = tmp_path / "sft_manifest.json"  # an earlier run's, over other bytes
+    manifest.write_text(json.dumps(dict(source=dict(files={"chats.jsonl": dict(sha256="0" * 64, bytes=1)}))))
+    cases = (
+        ([f"sft.data={data}"], "chats.jsonl': 1 SFT example(s) longer than training.seq_len = 256"),
+        ([f"sft.data={data}", f"sft.manifest={manifest}"], f"does not match {manifest}: chats.jsonl has SHA-256"),
+        (["sft.data=someone/chats", "sft.revision=main"], "pin it with sft.revision=COMMIT"),
+    )
+    for extra, fragment in cases:
+        run = tmp_path / "run"
+        r = refused(run, "--stage", "sft", "--init", str(tmp_path / "none/final"), *SFT, *extra)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and fragment in lines[0], r.stderr[-2000:]
+        assert not run.exists()  # nothing trained, nothing written

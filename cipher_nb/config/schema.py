@@ -323,6 +323,8 @@ class SFTConfig:
     "Supervised fine-tuning: data, loss mask, epochs and LoRA."
 
     data: str = ""  # local jsonl or hub name; empty = the embedded stdlib docstring Q&A
+    revision: str = ""  # a hub dataset's commit (40 hex digits): a hub name trains only when pinned to one
+    manifest: str = cosmetic("")  # an earlier run's sft_manifest.json: the data must hash as it records, else refused
     mask: SFTMask = "final"  # the assistant turns that carry loss
     drop_long: bool = False  # drop (and count) over-length examples instead of failing
     heldout_frac: float = 0.05  # examples held out (chosen by hash) for the matched evaluation at every epoch

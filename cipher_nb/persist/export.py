@@ -7,7 +7,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_export.html.md"""
 # %% auto #0
 __all__ = ['CODEC_FILE', 'TOKENIZER_FILE', 'CHAT_TEMPLATE_FILE', 'CARD_FILE', 'CODEC_CHAT_TEMPLATE', 'CARD_LIMITATIONS',
            'tied_names', 'compare_state_dicts', 'byte_codec_spec', 'write_codec_files', 'chat_template_source',
-           'run_limitations', 'model_card', 'export_model', 'refresh_card', 'export_dir', 'export_codec', 'load']
+           'run_limitations', 'model_card', 'export_model', 'refresh_card', 'export_dir', 'export_codec', 'load',
+           'read_back', 'mirror_folder', 'mirror_export']
 
 # %% ../../nbs/09c_persist_export.ipynb #f3b0b16a
 import json
@@ -24,7 +25,7 @@ from ..data.codecs import ByteCodec, TokenizerCodec
 from ..model.lm import CipherModel
 from ..monitor.gate import GATE_FILE
 from .checkpointer import is_sharded, load_weights
-from .checksum import file_sha256
+from .checksum import copy_hashed, file_sha256
 from cipher_nb.persist.files import (
     EXPORT_CONFIG,
     EXPORT_WEIGHTS,
@@ -34,12 +35,14 @@ from cipher_nb.persist.files import (
     CheckpointWarning,
     dist_info,
     fsync_dir,
+    install_dir,
     install_marked,
     load_exported,
     replace_marked,
     verify_checkpoint,
     write_durable,
 )
+from .marker import changed_file, marker_sums
 
 # %% ../../nbs/09c_persist_export.ipynb #61ea5cf2
 def tied_names(source) -> dict:
@@ -444,3 +447,50 @@ def load(path, device="cpu") -> tuple:
     model = CipherModel(cfg.model)
     load_weights(path, model)
     return model.to(device).eval(), export_codec(path)
+
+# %% ../../nbs/09c_persist_export.ipynb #a10d3404
+def read_back(path, sums: dict) -> dict:
+    "Read each file of `sums` back from the folder `path` and compare SHA-256s; an error names one that differs."
+    for rel, sha in sums.items():
+        f = Path(path) / rel
+        if hasattr(os, "posix_fadvise") and f.is_file():  # fsynced pages: dropping them makes the read hit the storage
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        if not f.is_file() or file_sha256(f) != sha:
+            raise CheckpointError(
+                f"mirror {f}: {'missing' if not f.is_file() else 'its SHA-256 differs from the local file'} when read "
+                "back; the local export is kept: run the mirror again, and check the storage if it fails again"
+            )
+    return sums
+
+# %% ../../nbs/09c_persist_export.ipynb #7028b4b7
+def mirror_folder(src, dst, sums: dict | None = None) -> Path:
+    "Copy folder `src` to `dst` through a temporary folder, read every file back, rename it in, write `dst.sha256`."
+    src, dst = Path(src), Path(dst)
+    files = sorted(f.relative_to(src).as_posix() for f in src.rglob("*") if f.is_file())
+    sums = {rel: (sums or {}).get(rel) or file_sha256(src / rel) for rel in files}
+    tmp = dst.with_name(f".tmp-{dst.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for rel in files:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            if copy_hashed(src / rel, tmp / rel) != sums[rel]:
+                raise CheckpointError(changed_file(src / rel) + f"; nothing was mirrored to {dst}")
+        fsync_dir(tmp)
+        read_back(tmp, sums)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(install_dir(tmp, dst), ignore_errors=True)  # an older mirror goes once the new one is in place
+    listing = dst.with_name(f".{dst.name}.sha256.tmp")
+    write_durable(listing, "".join(f"{sha}  {dst.name}/{rel}\n" for rel, sha in sums.items()).encode())
+    os.replace(listing, dst.with_name(f"{dst.name}.sha256"))
+    return dst
+
+# %% ../../nbs/09c_persist_export.ipynb #2eb52d1f
+def mirror_export(src, dest, run_name: str = "") -> Path:
+    "Mirror the export `src` (verified first) to `dest/<run>/<its name>`; the mirror's path."
+    src = Path(src)
+    sums = marker_sums(verify_checkpoint(src)) if (src / "COMPLETE").is_file() else None
+    return mirror_folder(src, Path(dest) / (run_name or src.parent.name) / src.name, sums)

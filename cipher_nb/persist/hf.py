@@ -7,7 +7,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_hf.html.md"""
 # %% auto #0
 __all__ = ['HF_ARCHITECTURES', 'HF_LATENT_NORM_EPS', 'FORMATS', 'UnmappableConfig', 'hf_architecture', 'hf_config',
            'interleaved_rope_rows', 'latent_attention_tensors', 'hf_state_dict', 'byte_tokenizer', 'hf_tokenizer',
-           'hf_logits_gap', 'check_hf_export', 'export_hf', 'export_target', 'writer_of', 'write_hf', 'cipher_export']
+           'hf_logits_gap', 'check_hf_export', 'export_hf', 'export_target', 'writer_of', 'write_hf', 'mirror_exports',
+           'cipher_export']
 
 # %% ../../nbs/12b_persist_hf.ipynb #16c06d7f
 import copy
@@ -21,10 +22,10 @@ from pathlib import Path
 import torch
 from fastcore.script import CliError
 
-from ..cli import EXIT_FAILED, command, refuse
+from ..cli import EXIT_FAILED, EXIT_OK, command, refuse
 from ..config.load import ModelConfig
 from ..data.codecs import SPECIALS, ByteCodec, byte_alphabet, special_token
-from .export import CARD_FILE, CHAT_TEMPLATE_FILE, export_dir, load
+from .export import CARD_FILE, CHAT_TEMPLATE_FILE, export_dir, load, mirror_export
 from .files import MARKER, CheckpointError, install_dir, is_complete
 from .runlock import RunLock
 
@@ -371,23 +372,46 @@ def write_hf(src: Path, out: Path) -> str:
 # %% ../../nbs/12b_persist_hf.ipynb #0873e065
 FORMATS = ("hf",)
 
+# %% ../../nbs/12b_persist_hf.ipynb #0dcfb77e
+def mirror_exports(dest: str, paths: list, run_name: str) -> int:
+    "Mirror each folder of `paths` to `dest/<run_name>/`, each file read back: `EXIT_OK`, or a line and `EXIT_FAILED`."
+    try:
+        for p in paths:
+            m = mirror_export(p, dest, run_name)
+            print(f"cipher-export: {p} mirrored to {m}, every file read back (SHA-256s in {m.name}.sha256 beside it)")
+    except CheckpointError as e:
+        print(f"cipher-export: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:
+        print(f"cipher-export: cannot mirror to {dest} ({e.strerror or e}); the local export is kept", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
 # %% ../../nbs/12b_persist_hf.ipynb #f274d5fa
-@command
+@command(pos=["out"])
 def cipher_export(
     run: str,  # a run directory (its final/ is exported) or an export folder
-    out: str,  # the folder to write
+    out: str = None,  # the folder to write
     format: str = "hf",  # hf: a transformers checkpoint and tokenizer (AutoModelForCausalLM.from_pretrained(out))
     force: bool = False,  # replace a non-empty OUT's contents (never a checkpoint, an export or a folder holding one)
+    mirror: str = None,  # persistent storage: the export (and OUT) copied to MIRROR/<run>/, every file read back
 ):
-    """Write a cipher_nb export in another format: `cipher-export RUN --format hf OUT`.
-    Exit codes: 0 written, 1 the written checkpoint failed its check, 2 bad input or OUT refused (nothing written)."""
+    """Write a cipher_nb export in another format and/or mirror it: `cipher-export RUN [OUT] [--mirror DIR]`.
+    Exit codes: 0 written (and mirrored, every file read back), 1 the written checkpoint or a mirrored file failed
+    its check (the local export is kept), 2 bad input or OUT refused (nothing written)."""
     if format not in FORMATS:
         refuse(cipher_export, f"--format {format!r} unknown: choose one of {', '.join(FORMATS)}")
+    if not (out or mirror):
+        refuse(cipher_export, "give OUT (the transformers checkpoint to write), --mirror DIR, or both")
+    if mirror and "://" in mirror:
+        refuse(cipher_export, f"--mirror {mirror}: a URL; give a mounted path (a bucket mounted with s3fs or gcsfuse)")
+    arch = None
     try:
         src = export_dir(run)
-        out = export_target(src, out, force)
-        with RunLock(writer_of(out)):  # a run directory, or OUT itself, has one writer
-            arch = write_hf(src, out)
+        if out:
+            out = export_target(src, out, force)
+            with RunLock(writer_of(out)):  # a run directory, or OUT itself, has one writer
+                arch = write_hf(src, out)
     except (CheckpointError, UnmappableConfig, FileNotFoundError, ValueError) as e:
         refuse(cipher_export, e)
     except RuntimeError as e:
@@ -400,5 +424,8 @@ def cipher_export(
             )
             return EXIT_FAILED
         refuse(cipher_export, f"cannot write {out} ({e.strerror}): choose a folder you can write")
-    print(f"cipher-export: {arch} written to {out} (AutoModelForCausalLM.from_pretrained('{out}'))")
+    if out:
+        print(f"cipher-export: {arch} written to {out} (AutoModelForCausalLM.from_pretrained('{out}'))")
+    if mirror and mirror_exports(mirror, [src, out] if out else [src], src.parent.name):
+        return EXIT_FAILED
     return arch

@@ -199,6 +199,7 @@ class StageHooks:
 
     cfg: Config = None  # the config the run uses: set by `config`, read by the other hooks
     steps_per_epoch: int = 0  # a stage whose epochs are passes over its own data (SFT) counts them in `config`
+    run_dir = None  # the run directory, set by `build_trainer` before `config` (SFT checks its data manifest there)
 
     def config(self, cfg: Config) -> Config:
         "Read the config the run uses (SFT: counts its steps per epoch); the other hooks read it, none rewrites it."

@@ -390,6 +390,7 @@ def build_trainer(
     "Everything a run needs, from its config: each part from its builder, then the trainer (restored on a resume)."
     env, run_dir = dist_env(), Path(run_dir)
     hooks = hooks or stage_hooks(cfg.stage.name)
+    hooks.run_dir = run_dir
     cfg = hooks.config(cfg)
     device, allocator = open_device(cfg, env)
     fingerprint = data_fingerprint(cfg.data)
