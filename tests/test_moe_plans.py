@@ -10,6 +10,7 @@ import dataclasses
 import tempfile
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +23,9 @@ from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_we
 from cipher_nb.config.load import ModelConfig, load_config
 from cipher_nb.core import DistEnv
 from cipher_nb.model.lm import CipherModel
-from cipher_nb.model.moe import MoE, update_moe_biases
+from cipher_nb.model.moe import MoE, moe_layers, update_moe_biases
 from cipher_nb.optim.parallel import parallelize
+from cipher_nb.train.builder import MoEBalancing
 
 TINY = [
     "model.d_model=32",
@@ -110,21 +112,26 @@ def batches(rank: int = 0, steps: int = 2, micro: int = 2):
 
 
 def train(model, counter, steps) -> list:
-    "Optimizer steps as the trainer runs them, the biases updated after each: what each step counted and moved."
-    opt, out = torch.optim.SGD(model.parameters(), lr=0.5), []
+    "Optimizer steps as the trainer runs them, with its balancing callback: what each step counted and moved."
+    opt, out, balance = torch.optim.SGD(model.parameters(), lr=0.5), [], MoEBalancing()
+    trainer = SimpleNamespace(raw_model=model, schedule=SimpleNamespace(max_steps=None))
+    key = {id(m): k for k, m in moe_layers(model).items()}  # each block's stats key, checked by its hand count
     for step, micro in enumerate(steps, 1):
         counter.reset()
+        balance.before_step(trainer)
         before = [m.expert_bias.clone() for _, m in counter.blocks]
         for x in micro:
             counter.on = True
             res = model(x, labels=x)
             counter.on = False  # a checkpointed block runs again in the backward: not a forward of the step
+            balance.after_forward(trainer, res)
             counter.flush()
             (res.loss + sum(res.aux.values())).backward()
-        pending = [m.pending_load.tolist() for _, m in counter.blocks]
+        pending = [balance.load[key[id(m)]].tolist() for _, m in counter.blocks]
         opt.step()
         opt.zero_grad(set_to_none=True)
-        assert update_moe_biases(model, step) == len(counter.blocks)
+        trainer.step = step
+        balance.after_step(trainer)
         after = [m.expert_bias.clone() for _, m in counter.blocks]
         out.append(dict(hand=counter.counts, calls=counter.calls, pending=pending, before=before, after=after))
     return out
@@ -236,11 +243,13 @@ def test_bookkeeping_reads_no_value_on_the_host():
         with FakeTensorMode():
             m = MoE(dataclasses.replace(cfg, moe=moe)).train()
             x = torch.randn(2, 16, cfg.d_model, requires_grad=True)
+            balance = MoEBalancing()
             for _ in range(2):  # two micro-batches
-                y, aux, _ = m(x)
+                y, aux, stats = m(x)
+                balance.after_forward(None, SimpleNamespace(stats=stats))
                 ((y.float() ** 2).mean() + sum(aux.values())).backward()
-            assert m.kernel == "grouped" and m.pending_load.shape == (moe.n_routed,)
-            assert update_moe_biases(m, 1) == 1
+            assert m.kernel == "grouped" and balance.load["expert_counts"].shape == (moe.n_routed,)
+            assert update_moe_biases(m, balance.load, 1) == len(moe_layers(m)) == 1
             with pytest.raises(DataDependentOutputException):  # what a sync meets here
                 MoE(dataclasses.replace(cfg, moe=dataclasses.replace(moe, impl="bmm"))).train()(x)
     finally:
