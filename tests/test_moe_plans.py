@@ -2,9 +2,9 @@
 (not the recomputations of a checkpointed backward), routed again one token at a time with the block's router weights
 and bias and counted, are the load the step applies, and the bias ends where `apply_load` of those counts moves a fresh
 block's copy of it. Plans: selective and full activation checkpointing, a stack mixing dense and MoE layers, a
-recurrent core (every loop's tokens count, the loops without gradients too), FSDP2 over two gloo ranks, a stopped and
-resumed run; and the bookkeeping reads no value on the host. Weight averaging averages the biases with the weights:
-nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
+recurrent core (every loop's tokens count, the loops without gradients too), the byte hourglass, FSDP2 over two gloo
+ranks, a stopped and resumed run; and the bookkeeping reads no value on the host. Weight averaging averages the
+biases with the weights: nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
 
 import dataclasses
 import tempfile
@@ -168,6 +168,21 @@ def test_every_block_counts_each_token_once(plan, early_stop):
             assert sum(hand) == 2 * 2 * 24 * m.cfg.moe.top_k * runs[int(name.split(".")[1])]
             assert not torch.equal(after, before), (plan, step, name)  # every block updates
             assert torch.equal(after, expected_bias(m.cfg, before, hand, step)), (plan, step, name)
+
+
+def test_byte_hourglass_counts_under_its_main_layers():
+    "A byte model: its byte blocks are dense, and each main MoE layer's counts (over segments) come under its key."
+    model, counter = build([*TINY, "model.boundary.enabled=true", "model.boundary.n_byte_layers=1"])
+    key = {id(m): k for k, m in moe_layers(model).items()}
+    assert sorted(key.values()) == ["layer1/expert_counts", "layer2/expert_counts"]
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    counter.on = True
+    stats = model(x, labels=x).stats
+    counter.on = False
+    counter.flush()
+    assert sorted(k for k in stats if k.endswith("expert_counts")) == sorted(key.values())
+    for (name, m), hand in zip(counter.blocks, counter.counts):
+        assert stats[key[id(m)]].tolist() == hand, name
 
 
 FSDP = [*TINY, "training.parallel=fsdp", "training.activation_checkpoint=selective"]
