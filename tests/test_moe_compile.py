@@ -1,7 +1,8 @@
 """torch.compile of a transformer block holding an MoE (CPU, float32, the tiny-cpu preset's widths): the compiled
 block equals the eager one forward and backward, compiles to one graph with no break in training as in evaluation, and
-does not recompile after its first call with the same shapes, not even when an expert gets no token. The counts for
-balancing leave the graph as an output: a checkpointed forward's recomputation hands none back."""
+does not recompile after its first call with the same shapes, not even when an expert gets no token; so does the block
+of every compiled token-level preset at CPU-sized widths. The counts for balancing leave the graph as an output: a
+checkpointed forward's recomputation hands none back."""
 
 import copy
 import dataclasses
@@ -9,9 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
+from conftest import ROOT
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from cipher_nb.config.load import ModelConfig
+from cipher_nb.config.load import ModelConfig, load_config
 from cipher_nb.model.lm import Block, rope_frequencies, rope_tables
 from cipher_nb.model.moe import MoE, moe_kernels_used, update_moe_biases
 from cipher_nb.train.builder import MoEBalancing
@@ -43,7 +46,7 @@ def _fwd_bwd(blk, x, cos, sin, g):
     ((y * g).sum() + sum(aux.values())).backward()
     grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in blk.named_parameters()}
     blk.zero_grad(set_to_none=True)
-    return y.detach(), x.grad, grads, stats["expert_counts"]
+    return y.detach(), x.grad, grads, stats.get("expert_counts")  # None for a dense block
 
 
 @pytest.mark.parametrize("impl", ["auto", "bmm"])
@@ -97,6 +100,43 @@ def test_no_recompile_after_the_second_call(impl):
             blk.ffn.expert_bias[[0, 7]] = -10.0  # never chosen: experts 0 and 7 get no token
         counts = _fwd_bwd(fn, x2, cos, sin, g)[3]
     assert counts[[0, 7]].sum() == 0 and counts.sum() == B * T * CFG.moe.top_k
+    assert counter.frame_count == 1, counter.frame_count
+
+
+def _compiled_presets() -> list:
+    "The token-level presets that compile their blocks (`training.compile`): the GPU ones, the byte model's aside."
+    out = []
+    for path in sorted((ROOT / "examples/configs").glob("*.yaml")):
+        d = yaml.safe_load(path.read_text())
+        boundary = (d.get("model") or {}).get("boundary") or {}
+        if (d.get("training") or {}).get("compile") and not boundary.get("enabled"):
+            out.append(path.stem)
+    return out
+
+
+SHRINK = ["model.d_model=64", "model.attention.head_dim=16", "model.moe.expert_d_ff=32", "model.d_ff=128"]
+
+
+@pytest.mark.parametrize("preset", _compiled_presets())
+def test_compiled_presets_have_no_graph_breaks(preset):
+    "A compiled preset's block at CPU-sized widths: one graph, no break; one compile, a step starving an expert too."
+    c = load_config(ROOT / f"examples/configs/{preset}.yaml", [*SHRINK, "training.device=cpu"]).model
+    torch.manual_seed(0)
+    blk = Block(c, moe=c.moe.n_routed > 0).train()
+    inv, scale = rope_frequencies(c.attention.head_dim)
+    cos, sin = rope_tables(torch.arange(T)[None], inv, scale)
+    xs = [torch.randn(B, T, c.d_model) for _ in range(3)]
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(blk)(xs[0], cos, sin)
+    assert (ex.graph_count, ex.graph_break_count, ex.break_reasons) == (1, 0, [])
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(blk, backend=counter, dynamic=False)  # as `apply_compile` compiles a token-level block
+    for i, x in enumerate(xs):
+        if i == 2 and c.moe.n_routed:
+            with torch.no_grad():
+                blk.ffn.expert_bias[0] = -10.0  # expert 0 gets no token
+        _fwd_bwd(fn, x, cos, sin, torch.ones_like(x))
     assert counter.frame_count == 1, counter.frame_count
 
 
