@@ -67,7 +67,6 @@ def block_times(cfgs: dict, rounds: int, reps: int) -> dict:
             y, aux, _ = m(xi)
             ((y * g).sum() + sum(aux.values())).backward()
             m.zero_grad(set_to_none=True)
-            m.take_load()
 
         for m in blocks.values():
             step(m)

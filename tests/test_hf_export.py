@@ -47,7 +47,7 @@ def train_steps(model, ids, steps=4, lr=3e-3):
         (out.loss + sum(out.aux.values())).backward()
         opt.step()
         opt.zero_grad()
-        update_moe_biases(model)
+        update_moe_biases(model, out.stats)
     return model.eval()
 
 

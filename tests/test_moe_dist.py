@@ -11,14 +11,18 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from cipher_nb.config.load import ModelConfig
-from cipher_nb.model.moe import MoE, update_moe_biases
+from cipher_nb.model.moe import MoE, moe_layers, update_moe_biases
 
 CFG = ModelConfig(d_model=16, moe=dict(n_routed=6, n_shared=0, top_k=2, expert_d_ff=8, bias_gamma=0.1))
 
 
 def _model():
+    "Two MoE layers where a model keeps them (`layers.{i}.ffn`), the second with top-1."
     torch.manual_seed(0)
-    return nn.Sequential(MoE(CFG), MoE(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, top_k=1))))
+    model = nn.Module()
+    ffns = MoE(CFG), MoE(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, top_k=1)))
+    model.layers = nn.ModuleList(nn.ModuleDict({"ffn": f}) for f in ffns)
+    return model
 
 
 def _batches(rank):
@@ -26,19 +30,21 @@ def _batches(rank):
     return [torch.randn(2, 7 + rank, CFG.d_model, generator=g) for _ in range(2)]  # ranks see different token counts
 
 
-def _forward_all(model, x):
-    for m in model:
-        m(x)
+def _forward_all(model, x, loads: dict):
+    "Each layer's forward of x, its counts added to `loads` under its stats key."
+    for k, m in moe_layers(model).items():
+        loads[k] = loads.get(k, 0) + m(x)[2]["expert_counts"]
 
 
 def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model = _model().train()
+        model, loads = _model().train(), {}
         for x in _batches(rank):
-            _forward_all(model, x)  # two micro-batches of one step
-        n = update_moe_biases(model)
-        torch.save({"n": n, "bias": [m.expert_bias.clone() for m in model]}, Path(out_dir) / f"rank{rank}.pt")
+            _forward_all(model, x, loads)  # two micro-batches of one step
+        n = update_moe_biases(model, loads)
+        bias = [m.expert_bias.clone() for m in moe_layers(model).values()]
+        torch.save({"n": n, "bias": bias}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -48,13 +54,13 @@ def test_bias_update_sums_counts_over_ranks_and_micro_batches():
         mp.spawn(_worker, args=(2, f"{d}/init", d), nprocs=2, join=True)
         got = [torch.load(Path(d) / f"rank{r}.pt") for r in range(2)]
     # the same step in one process: every micro-batch of both ranks, then one update
-    model = _model().train()
+    model, loads = _model().train(), {}
     for r in range(2):
         for x in _batches(r):
-            _forward_all(model, x)
-    update_moe_biases(model)
+            _forward_all(model, x, loads)
+    update_moe_biases(model, loads)
     assert got[0]["n"] == got[1]["n"] == 2
-    for layer, m in enumerate(model):
+    for layer, m in enumerate(moe_layers(model).values()):
         assert torch.equal(got[0]["bias"][layer], got[1]["bias"][layer])  # ranks agree
         assert torch.allclose(got[0]["bias"][layer], m.expert_bias)  # and match the summed counts
         assert m.expert_bias.abs().sum() > 0  # something moved

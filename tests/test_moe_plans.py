@@ -2,14 +2,15 @@
 (not the recomputations of a checkpointed backward), routed again one token at a time with the block's router weights
 and bias and counted, are the load the step applies, and the bias ends where `apply_load` of those counts moves a fresh
 block's copy of it. Plans: selective and full activation checkpointing, a stack mixing dense and MoE layers, a
-recurrent core (every loop's tokens count, the loops without gradients too), FSDP2 over two gloo ranks, a stopped and
-resumed run; and the bookkeeping reads no value on the host. Weight averaging averages the biases with the weights:
-nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
+recurrent core (every loop's tokens count, the loops without gradients too), the byte hourglass, FSDP2 over two gloo
+ranks, a stopped and resumed run; and the bookkeeping reads no value on the host. Weight averaging averages the
+biases with the weights: nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
 
 import dataclasses
 import tempfile
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +23,9 @@ from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_we
 from cipher_nb.config.load import ModelConfig, load_config
 from cipher_nb.core import DistEnv
 from cipher_nb.model.lm import CipherModel
-from cipher_nb.model.moe import MoE, update_moe_biases
+from cipher_nb.model.moe import MoE, moe_layers, update_moe_biases
 from cipher_nb.optim.parallel import parallelize
+from cipher_nb.train.builder import MoEBalancing
 
 TINY = [
     "model.d_model=32",
@@ -110,21 +112,26 @@ def batches(rank: int = 0, steps: int = 2, micro: int = 2):
 
 
 def train(model, counter, steps) -> list:
-    "Optimizer steps as the trainer runs them, the biases updated after each: what each step counted and moved."
-    opt, out = torch.optim.SGD(model.parameters(), lr=0.5), []
+    "Optimizer steps as the trainer runs them, with its balancing callback: what each step counted and moved."
+    opt, out, balance = torch.optim.SGD(model.parameters(), lr=0.5), [], MoEBalancing()
+    trainer = SimpleNamespace(raw_model=model, schedule=SimpleNamespace(max_steps=None))
+    key = {id(m): k for k, m in moe_layers(model).items()}  # each block's stats key, checked by its hand count
     for step, micro in enumerate(steps, 1):
         counter.reset()
+        balance.before_step(trainer)
         before = [m.expert_bias.clone() for _, m in counter.blocks]
         for x in micro:
             counter.on = True
             res = model(x, labels=x)
             counter.on = False  # a checkpointed block runs again in the backward: not a forward of the step
+            balance.after_forward(trainer, res)
             counter.flush()
             (res.loss + sum(res.aux.values())).backward()
-        pending = [m.pending_load.tolist() for _, m in counter.blocks]
+        pending = [balance.load[key[id(m)]].tolist() for _, m in counter.blocks]
         opt.step()
         opt.zero_grad(set_to_none=True)
-        assert update_moe_biases(model, step) == len(counter.blocks)
+        trainer.step = step
+        balance.after_step(trainer)
         after = [m.expert_bias.clone() for _, m in counter.blocks]
         out.append(dict(hand=counter.counts, calls=counter.calls, pending=pending, before=before, after=after))
     return out
@@ -161,6 +168,21 @@ def test_every_block_counts_each_token_once(plan, early_stop):
             assert sum(hand) == 2 * 2 * 24 * m.cfg.moe.top_k * runs[int(name.split(".")[1])]
             assert not torch.equal(after, before), (plan, step, name)  # every block updates
             assert torch.equal(after, expected_bias(m.cfg, before, hand, step)), (plan, step, name)
+
+
+def test_byte_hourglass_counts_under_its_main_layers():
+    "A byte model: its byte blocks are dense, and each main MoE layer's counts (over segments) come under its key."
+    model, counter = build([*TINY, "model.boundary.enabled=true", "model.boundary.n_byte_layers=1"])
+    key = {id(m): k for k, m in moe_layers(model).items()}
+    assert sorted(key.values()) == ["layer1/expert_counts", "layer2/expert_counts"]
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    counter.on = True
+    stats = model(x, labels=x).stats
+    counter.on = False
+    counter.flush()
+    assert sorted(k for k in stats if k.endswith("expert_counts")) == sorted(key.values())
+    for (name, m), hand in zip(counter.blocks, counter.counts):
+        assert stats[key[id(m)]].tolist() == hand, name
 
 
 FSDP = [*TINY, "training.parallel=fsdp", "training.activation_checkpoint=selective"]
@@ -236,11 +258,13 @@ def test_bookkeeping_reads_no_value_on_the_host():
         with FakeTensorMode():
             m = MoE(dataclasses.replace(cfg, moe=moe)).train()
             x = torch.randn(2, 16, cfg.d_model, requires_grad=True)
+            balance = MoEBalancing()
             for _ in range(2):  # two micro-batches
-                y, aux, _ = m(x)
+                y, aux, stats = m(x)
+                balance.after_forward(None, SimpleNamespace(stats=stats))
                 ((y.float() ** 2).mean() + sum(aux.values())).backward()
-            assert m.kernel == "grouped" and m.pending_load.shape == (moe.n_routed,)
-            assert update_moe_biases(m, 1) == 1
+            assert m.kernel == "grouped" and balance.load["expert_counts"].shape == (moe.n_routed,)
+            assert update_moe_biases(m, balance.load, 1) == len(moe_layers(m)) == 1
             with pytest.raises(DataDependentOutputException):  # what a sync meets here
                 MoE(dataclasses.replace(cfg, moe=dataclasses.replace(moe, impl="bmm"))).train()(x)
     finally:

@@ -9,10 +9,12 @@ __all__ = ['GROUP_ALIGN', 'FUSED_GATE_UP_ROWS', 'MOE_IMPLS', 'GROUPED_DTYPES', '
            'expert_counts', 'router_z_loss', 'router_probs', 'balance_loss', 'ortho_loss', 'cross_pop_overlap',
            'expert_load_stats', 'DispatchPlan', 'dispatch_plan', 'sum_token_rows', 'grouped_mm', 'grouped_mm_op',
            'compute_dtype', 'bmm_capacity', 'expert_products', 'RoutedExperts', 'SharedProjectionExperts',
-           'resolve_moe_impl', 'expert_width', 'bias_rate', 'bias_step', 'MoE', 'update_moe_biases', 'moe_kernels_used']
+           'resolve_moe_impl', 'expert_width', 'bias_rate', 'bias_step', 'MoE', 'moe_layers', 'update_moe_biases',
+           'moe_kernels_used']
 
 # %% ../../nbs/05_model_moe.ipynb #5ee5504f
 import math
+import re
 from dataclasses import dataclass
 from typing import get_args
 
@@ -22,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config.load import ModelConfig, MoEKernel
+from .context import layer_key
 
 # %% ../../nbs/05_model_moe.ipynb #b148d56f
 class SwiGLU(nn.Module):
@@ -433,19 +436,6 @@ def expert_width(moe) -> tuple:
     widths = [(moe.shared_inter, "model.moe.shared_inter"), (moe.expert_rank, "model.moe.expert_rank")]
     return next((w for w in widths if w[0] % 8), widths[0])
 
-# %% ../../nbs/05_model_moe.ipynb #d1591b58
-def _in_backward() -> bool:
-    "True while the autograd engine runs (e.g. a checkpointed forward being recomputed)."
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-# %% ../../nbs/05_model_moe.ipynb #099c8ee5
-def _disable_compile(fn):
-    "`torch.compiler.disable(fn)`, except that dynamo (seconds to import) is imported at `fn`'s first call."
-    fn = torch._disable_dynamo(fn)  # torch's own lazy disable
-    fn._torchdynamo_disable = True  # torch.compiler.disable's mark: dynamo calls `fn` eagerly, never traces into it
-    return fn
-
 # %% ../../nbs/05_model_moe.ipynb #fbda9f9a
 BIAS_BOOST = 10  # the bias rate's multiple over the first `bias_boost_steps` optimizer steps
 
@@ -493,7 +483,6 @@ class MoE(nn.Module):
             self.experts = RoutedExperts(E, d, h)
         self.shared = SwiGLU(d, cfg.moe.n_shared * h) if cfg.moe.n_shared > 0 else None
         self.register_buffer("expert_bias", torch.zeros(E))
-        self.pending_load = None  # [E] int64 counts since the last bias update (not a buffer: see above)
         self.kernel = None  # the expert path ('grouped', 'bmm' or 'loop') the last forward took
         self.reset_parameters()
 
@@ -535,13 +524,10 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(xf)
         lse = logits.logsumexp(-1)  # [N]
-        out = y.view(x.shape), self._aux(lse, scores, idx), self._stats(logits, lse, scores, idx, gates, counts)
-        if self.training:
-            self._add_load(counts)  # last: under torch.compile its graph break splits nothing
-        return out
+        return y.view(x.shape), self._aux(lse, scores, idx), self._stats(logits, lse, scores, idx, gates, counts)
 
     def output(self, x) -> torch.Tensor:
-        "The output alone for x [..., d], as generation needs it: no losses, no statistics, no load counted."
+        "The output alone for x [..., d], as generation needs it: no losses, no statistics (so no counts)."
         m = self.cfg.moe
         xf = x.reshape(-1, x.shape[-1])  # [N, d]
         _, _, idx, gates = self.select(xf)  # [N, k] each
@@ -557,15 +543,6 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(xf)
         return y.view(x.shape).to(x.dtype)
-
-    @_disable_compile  # runs eagerly, so that `_in_backward` is asked at run time, never baked into a graph
-    def _add_load(self, counts):
-        "Add one forward's counts to the pending load, unless autograd is recomputing a checkpointed forward."
-        if _in_backward():
-            return
-        if self.pending_load is None or self.pending_load.device != counts.device:
-            self.pending_load = torch.zeros_like(counts)
-        self.pending_load += counts
 
     def _aux(self, lse, scores, idx) -> dict:
         "The weighted auxiliary losses whose weight is positive."
@@ -596,12 +573,6 @@ class MoE(nn.Module):
             s["bias_drift"] = self.expert_bias.abs().max()
         return s
 
-    def take_load(self):
-        "The counts since the last update (zeros if none), and reset them."
-        load = torch.zeros_like(self.expert_bias, dtype=torch.long) if self.pending_load is None else self.pending_load
-        self.pending_load = None
-        return load
-
     @torch.no_grad()
     def apply_load(self, load, step: int = None, horizon: int = None):
         "One balancing step from `load` [E] at optimizer `step` of a run planned for `horizon` steps (`bias_step`)."
@@ -610,25 +581,35 @@ class MoE(nn.Module):
             rate = bias_rate(m, step, horizon)
             self.expert_bias += bias_step(load.to(self.expert_bias.device), rate, m.bias_rule, m.bias_gamma)
 
-    def update_bias(self):
-        "Update the balancing bias from this step's counts (summed across ranks when distributed)."
-        load = self.take_load()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(load)
-        self.apply_load(load)
+# %% ../../nbs/05_model_moe.ipynb #0783a6ba
+def moe_layers(model: nn.Module) -> dict:
+    "Each `MoE` of `model` by the stats key of its counts: 'layer{i}/expert_counts' for `layers.{i}.ffn`."
+    found = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, MoE):
+            continue
+        layer = re.fullmatch(r"layers\.(\d+)\.ffn", name)
+        if name and layer is None:
+            raise ValueError(f"the MoE at '{name}' is not a main layer's FFN (layers.N.ffn): no key names its counts")
+        found[layer_key(int(layer[1]), "expert_counts") if name else "expert_counts"] = m
+    return found
 
 # %% ../../nbs/05_model_moe.ipynb #1712b9f1
-def update_moe_biases(model: nn.Module, step: int = None, horizon: int = None) -> int:
-    "Update every `MoE`'s bias from optimizer step `step`'s counts of a `horizon`-step run, one all-reduce; how many."
-    blocks = [m for m in model.modules() if isinstance(m, MoE)]
-    if not blocks:
+def update_moe_biases(model: nn.Module, loads: dict, step: int = None, horizon: int = None) -> int:
+    "Move every `MoE`'s bias by its counts in `loads` (stats key -> [E]) of optimizer step `step`; how many moved."
+    layers = moe_layers(model)
+    if not layers:
         return 0
-    loads = torch.stack([m.take_load().to(blocks[0].expert_bias.device) for m in blocks])  # [layers, E]
+    missing = [k for k in layers if k not in loads]
+    if missing:
+        raise ValueError(f"no counts for {', '.join(missing)}: pass the stats of the step's forwards, summed")
+    dev = next(iter(layers.values())).expert_bias.device
+    counts = torch.stack([loads[k].to(dev, torch.long) for k in layers])  # [layers, E] whole counts
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(loads)
-    for m, load in zip(blocks, loads):
+        dist.all_reduce(counts)  # one for every layer: each rank's own tokens, summed
+    for m, load in zip(layers.values(), counts):
         m.apply_load(load, step, horizon)
-    return len(blocks)
+    return len(layers)
 
 # %% ../../nbs/05_model_moe.ipynb #78783878
 def moe_kernels_used(model: nn.Module) -> str:

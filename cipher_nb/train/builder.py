@@ -50,7 +50,7 @@ from ..data.curriculum import Curriculum
 from ..data.sources import data_fingerprint
 from ..model.boundary import BoundaryPredictor
 from ..model.lm import CipherModel
-from ..model.moe import MoE, update_moe_biases
+from ..model.moe import update_moe_biases
 from ..model.roles import params_with_role
 from ..monitor.health import LOADS_FILE, MonitorCallback, Utilization
 from ..monitor.metrics import GPUUtilization, device_peak_flops, heldout_metrics
@@ -163,15 +163,23 @@ class RunCheckpoints:
 class MoEBalancing(Callback):
     "The loss-free balancing of every MoE block: its bias moves after each optimizer step, from that step's counts."
 
+    def __init__(self):
+        self.load = {}  # stats key -> int64 counts [E], summed over the step's micro-batches so far
+
     def before_step(self, trainer):
         "Drop the routing counts a skipped step left behind: that step never happened."
-        for m in trainer.raw_model.modules():
-            if isinstance(m, MoE):
-                m.take_load()
+        self.load = {}
+
+    def after_forward(self, trainer, out):
+        "Add a micro-batch's counts, as its forward returned them (whole numbers, so exact as int64)."
+        for k, v in out.stats.items():
+            if k.endswith("expert_counts"):
+                self.load[k] = self.load.get(k, 0) + v.long()
 
     def after_step(self, trainer):
         # one all-reduce for every block, on every rank; the plan's length sets a short run's rate (bias_travel)
-        update_moe_biases(trainer.raw_model, trainer.step, trainer.schedule.max_steps)
+        update_moe_biases(trainer.raw_model, self.load, trainer.step, trainer.schedule.max_steps)
+        self.load = {}
 
 # %% ../../nbs/11a_train_builder.ipynb #59abbebb
 class BoundarySchedule(Callback):
