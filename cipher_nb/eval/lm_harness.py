@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_lm_harness.html.md"""
 # %% auto #0
 __all__ = ['rolling_windows', 'cut_at', 'CipherLM', 'mc_task_yaml']
 
-# %% ../../nbs/12d_eval_lm_harness.ipynb #3adf115f
+# %% ../../nbs/12d_eval_lm_harness.ipynb #4b191da4
 import json
 
 import numpy as np
@@ -18,20 +18,20 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from ..core import autocast
 from .harness import MC_MAX_LEN, Sampling, load_model, mc_dtype, sample_batch, score_ids
 
-# %% ../../nbs/12d_eval_lm_harness.ipynb #1d146f01
+# %% ../../nbs/12d_eval_lm_harness.ipynb #a4a22155
 def rolling_windows(ids, bos: int, max_len: int) -> list:
     "`[(context ids, continuation ids), ...]` that predict each of `ids` once after BOS, no window over `max_len` ids."
     windows = get_rolling_token_windows([int(i) for i in ids], bos, max_len, context_len=1)
     return [tuple(np.asarray(p, np.int64) for p in make_disjoint_window(w)) for w in windows]
 
-# %% ../../nbs/12d_eval_lm_harness.ipynb #b2be491d
+# %% ../../nbs/12d_eval_lm_harness.ipynb #319202e1
 def cut_at(text: str, until) -> str:
     "`text` up to the first of the stop strings `until` (a string or a list), without it."
     for u in [until] if isinstance(until, str) else until or []:
         text = text.split(u)[0] if u else text
     return text
 
-# %% ../../nbs/12d_eval_lm_harness.ipynb #ebb950e4
+# %% ../../nbs/12d_eval_lm_harness.ipynb #845bd997
 class CipherLM(LM):
     "A cipher_nb model (an export, a checkpoint, or a model and codec) as lm-evaluation-harness's `LM`."
 
@@ -95,7 +95,7 @@ class CipherLM(LM):
             scoring="continuation log-likelihood after BOS",
         )
 
-# %% ../../nbs/12d_eval_lm_harness.ipynb #14e24504
+# %% ../../nbs/12d_eval_lm_harness.ipynb #8479da1b
 def mc_task_yaml(name: str, jsonl) -> str:
     "An lm-evaluation-harness task over a local multiple-choice file of `cipher_nb`'s format (context, choices, label)."
     return "\n".join(
@@ -112,8 +112,7 @@ def mc_task_yaml(name: str, jsonl) -> str:
             "doc_to_target: label",
             'target_delimiter: " "',
             "metric_list:",
-            "  - metric: acc",
-            "  - metric: acc_norm",
+            *[f"  - metric: {m}\n    aggregation: mean\n    higher_is_better: true" for m in ("acc", "acc_norm")],
             "",
         ]
     )
