@@ -224,6 +224,8 @@ def _card_benchmarks(record: dict) -> list:
     for b in rows:
         p = b.get("protocol") or {}
         how = ", ".join(f"{k} {v}" for k, v in p.items() if k not in ("file", "sha256"))
+        if b.get("protocol_differs"):  # `record_benchmark` flags a score that does not compare with the one before
+            how = f"**protocol differs from the score above ({', '.join(b['protocol_differs'])})**: {how}"
         out.append(f"| {b.get('name')} | {b.get('n')} | {b.get('acc', 0):.4f} | {b.get('acc_norm', 0):.4f} | {how} |")
     return out + [""]
 
