@@ -16,7 +16,15 @@ from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ..core import autocast
-from .harness import MC_MAX_LEN, Sampling, load_model, mc_dtype, sample_batch, score_ids
+from cipher_nb.eval.harness import (
+    MC_MAX_LEN,
+    Sampling,
+    load_model,
+    mc_dtype,
+    register_lm_eval,
+    sample_batch,
+    score_ids,
+)
 
 # %% ../../nbs/12d_eval_lm_harness.ipynb #a4a22155
 def rolling_windows(ids, bos: int, max_len: int) -> list:
@@ -94,6 +102,9 @@ class CipherLM(LM):
             template="none (the task's context as plain text)",
             scoring="continuation log-likelihood after BOS",
         )
+
+# %% ../../nbs/12d_eval_lm_harness.ipynb #2dfcaceb
+register_lm_eval()  # lm_eval.simple_evaluate(model="cipher_nb") finds CipherLM once this module is imported
 
 # %% ../../nbs/12d_eval_lm_harness.ipynb #8479da1b
 def mc_task_yaml(name: str, jsonl) -> str:
