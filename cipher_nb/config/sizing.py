@@ -232,11 +232,9 @@ def plan_line(t: TrainConfig, s: ScheduleConfig, world_size: int = 1, data_token
     if s.time_budget:
         cap = f", at most schedule.max_steps = {s.max_steps:,}" if s.max_steps else ""
         return head + f"{key} plans the steps from their measured cost{cap}, at {per_step:,} tokens a step"
-    if s.epochs and not data_tokens:  # SFT: passes over its packed examples, counted when the run starts
-        return (
-            head
-            + f"{key} over the SFT examples: the steps follow from their packed windows, at {per_step:,} tokens a step"
-        )
+    if s.epochs and not data_tokens:  # passes over data counted when the run starts (SFT, shards not yet prepared)
+        what = "data counted when the run starts (SFT's packed examples, or shards not yet prepared)"
+        return head + f"{key} over {what}, at {per_step:,} tokens a step"
     bought = token_budget_steps(s, t, world_size, data_tokens)
     steps = min(s.max_steps, bought) if bought and s.max_steps else bought or s.max_steps
     line = head + f"{steps:,} steps ({key}) x {per_step:,} tokens = {steps * per_step:,} tokens"
