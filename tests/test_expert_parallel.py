@@ -167,7 +167,6 @@ def run_in_torchrun(torchrun, script, out):
     [
         (["model.moe.n_routed=6", "training.expert_parallel=4"], "must divide model.moe.n_routed (6)"),
         (["model.moe.n_routed=0", "training.expert_parallel=2"], "no MoE layer"),
-        (["training.parallel=fsdp", "training.expert_parallel=2"], "not yet"),
         (["model.moe.kind=shared_projection", "training.expert_parallel=2"], "shared-projection"),
         (["optim.name=adamw8bit", "training.expert_parallel=2"], "adamw8bit"),
     ],

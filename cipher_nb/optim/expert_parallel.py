@@ -6,10 +6,11 @@ Docs: https://cipher-nb.github.io/cipher_nb/optim_expert_parallel.html.md"""
 
 # %% auto #0
 __all__ = ['ep_groups', 'expert_range', 'exchange', 'received_experts', 'ExpertParallelExperts', 'optimizer_states',
-           'ExpertParallel', 'full_layout']
+           'ExpertParallel', 'full_layout', 'ep_mesh', 'to_whole', 'to_own', 'shard_experts', 'optimizer_layout']
 
 # %% ../../nbs/08ab_optim_expert_parallel.ipynb #0b5bcc06
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -100,15 +101,24 @@ def _like(v, p) -> bool:
     "Whether optimizer state `v` is a tensor of parameter `p`'s shape (split with it), not a scalar or a quantized one."
     return torch.is_tensor(v) and v.shape == p.shape
 
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #002757c6
+def _full(t):
+    "A DTensor's full value (a norm over a mesh); a plain tensor as it is."
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
 # %% ../../nbs/08ab_optim_expert_parallel.ipynb #da2319fd
 class ExpertParallel(Callback):
     "The routed experts of every `MoE` of `model` split over groups of `degree` ranks: their gradients, norm, layout."
 
-    def __init__(self, model: nn.Module, degree: int, rank: int, world: int):
+    def __init__(self, model: nn.Module, degree: int, rank: int, world: int, mesh=None):
         groups, replicas = ep_groups(degree, world)
-        made = [dist.new_group(g) for g in groups], [dist.new_group(r) for r in replicas]  # collective: every rank
-        self.group, self.replicas = made[0][rank // degree], made[1][rank % degree]
-        self.degree, self.rank, self.world, self.layout = degree, rank, world, groups
+        if mesh is None:
+            made = [dist.new_group(g) for g in groups], [dist.new_group(r) for r in replicas]  # collective: every rank
+            self.group, self.replicas = made[0][rank // degree], made[1][rank % degree]
+        else:  # FSDP2: the 2-D mesh's own groups, the same ranks (`ep_mesh`)
+            self.group, self.replicas = mesh["ep"].get_group(), mesh["dp"].get_group()
+        self.degree, self.rank, self.world, self.layout, self.mesh = degree, rank, world, groups, mesh
+        self.sharded = False  # set by `shard_experts`: FSDP2 then reduces and lays out the experts
         moes = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
         for _, m in moes:
             if not isinstance(m.experts, RoutedExperts):
@@ -116,13 +126,19 @@ class ExpertParallel(Callback):
             m.experts = ExpertParallelExperts(m.experts, self.group, degree, rank % degree)
         self.n_experts = moes[0][1].experts.n_experts if moes else 0  # every layer routes over the same count
         self.names = [f"{n}.experts.{w}" for n, _ in moes for w in ("w_gate", "w_up", "w_down")]
-        named = dict(model.named_parameters())
-        self.params = [named[n] for n in self.names]
+        self.modules = [m.experts for _, m in moes]
+        self.find_params()
+
+    def find_params(self):
+        "The split parameters as the modules hold them now (`fully_shard` replaces them with DTensors)."
+        self.params = [getattr(m, w) for m in self.modules for w in ("w_gate", "w_up", "w_down")]
         self.ids = {id(p) for p in self.params}
 
     @torch.no_grad()
     def after_backward(self, trainer=None):
         "Average the expert gradients as DDP averages the rest: summed over the shard's replicas, over the world size."
+        if self.sharded:  # FSDP2 reduced them over the replicas (`shard_experts`)
+            return
         for p in self.params:
             if p.requires_grad and p.grad is None:  # experts that got no token: a zero gradient, as without the split
                 p.grad = torch.zeros_like(p)
@@ -139,11 +155,14 @@ class ExpertParallel(Callback):
         params = [p for p in params if p.grad is not None]
         own = [p.grad for p in params if id(p) in self.ids]
         rest = [p.grad for p in params if id(p) not in self.ids]
-        sq = [torch.nn.utils.get_total_norm(gs).float().square() if gs else torch.zeros(()) for gs in (own, rest)]
+        sq = [
+            _full(torch.nn.utils.get_total_norm(gs)).float().square() if gs else torch.zeros(()) for gs in (own, rest)
+        ]
         shards = sq[0].to(params[0].device) if params else torch.zeros(())
         dist.all_reduce(shards, group=self.group)  # every rank calls it: the groups are the same on every rank
         norm = (shards + sq[1].to(shards.device)).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for part in ([p for p in params if id(p) in self.ids], [p for p in params if id(p) not in self.ids]):
+            torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)  # apart: under FSDP2 two meshes
         return norm
 
     def gather(self, t):
@@ -177,7 +196,9 @@ class ExpertParallel(Callback):
             dict(rank=r, experts=list(expert_range(self.n_experts, self.degree, r % self.degree)))
             for r in range(self.world)
         ]
+        mesh = {} if self.mesh is None else dict(mesh=dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)))
         return dict(
+            **mesh,
             degree=self.degree,
             groups=self.layout,
             experts_per_rank=self.n_experts // self.degree,
@@ -191,4 +212,80 @@ class ExpertParallel(Callback):
 def full_layout(model: nn.Module, optimizer=None):
     "`ExpertParallel.full_layout` of `model` (or of the model inside a DDP wrapper); a no-op without one."
     split = getattr(getattr(model, "module", model), "expert_parallel", None)
-    return nullcontext() if split is None else split.full_layout(optimizer)
+    # FSDP2: the state dicts hold the whole layout already (`shard_experts`)
+    return nullcontext() if split is None or split.sharded else split.full_layout(optimizer)
+
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #fe14617c
+def ep_mesh(degree: int, world: int, device_type: str):
+    "The 2-D mesh `(dp, ep)`: `ep` the groups of `degree` consecutive ranks (`ep_groups`), `dp` each shard's replicas."
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world // degree, degree), mesh_dim_names=("dp", "ep"))
+
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #4cd6eab0
+def _stride(shape) -> tuple:
+    "The strides of a contiguous tensor of `shape`."
+    return torch.empty(shape, device="meta").stride()
+
+
+def to_whole(split, t):
+    "A split parameter's DTensor (this rank's share, sharded over dp) as a piece of the whole `[E, ...]` tensor."
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor) or t.device_mesh != split.mesh["dp"]:
+        return t
+    shape = (split.n_experts, *t.shape[1:])
+    return DTensor.from_local(t.to_local(), split.layout_mesh, [Shard(0), Shard(0)], shape=shape, stride=_stride(shape))
+
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #c43983dd
+def to_own(split, t):
+    "`to_whole` undone: this rank's share of a whole-layout DTensor, sharded over dp as its parameter is."
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor) or t.device_mesh != split.layout_mesh:
+        return t
+    shape = (split.n_experts // split.degree, *t.shape[1:])
+    return DTensor.from_local(t.to_local(), split.mesh["dp"], [Shard(0)], shape=shape, stride=_stride(shape))
+
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #ec97ce77
+def _whole_hook(split, module, sd, prefix, local_metadata):
+    "State-dict post hook: the split experts in the whole layout, so a checkpoint is the same at every degree."
+    for w in ("w_gate", "w_up", "w_down"):
+        if prefix + w in sd:
+            sd[prefix + w] = to_whole(split, sd[prefix + w])
+
+
+def _own_hook(split, module, sd, prefix, *args):
+    "Load-state-dict pre hook: a whole-layout entry back to this rank's share."
+    for w in ("w_gate", "w_up", "w_down"):
+        if prefix + w in sd:
+            sd[prefix + w] = to_own(split, sd[prefix + w])
+
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #d777be07
+def shard_experts(split: ExpertParallel, **fsdp_kw):
+    "`fully_shard` each layer's split experts over `split.mesh`'s dp ranks, gradients averaged over the world."
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    dp = split.mesh["dp"]
+    ranks = split.mesh.mesh.t()  # the same ranks, ep first: a whole tensor is cut by expert group, then over dp
+    split.layout_mesh = DeviceMesh(split.mesh.device_type, ranks, mesh_dim_names=("ep", "dp"))
+    for m in split.modules:
+        fully_shard(m, mesh=dp, **fsdp_kw)
+        m.set_gradient_divide_factor(float(split.world))  # each rank's loss is a mean: the world's average, as DDP's
+        m.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no pre-multiplied sum
+        m.set_reduce_scatter_unused_params(True)  # a share that got no token still joins its dp group's reduction
+        m.register_state_dict_post_hook(partial(_whole_hook, split))
+        m.register_load_state_dict_pre_hook(partial(_own_hook, split))
+    split.sharded = True
+    split.find_params()
+
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #5bfde0c5
+def optimizer_layout(model: nn.Module, osd: dict, whole: bool) -> dict:
+    "DCP's optimizer state dict `osd` (keyed by name) with the split experts' state whole or this rank's (FSDP2)."
+    split = getattr(getattr(model, "module", model), "expert_parallel", None)
+    if split is None or not split.sharded or osd is None:
+        return osd
+    fn = to_whole if whole else to_own
+    state = {k: {n: fn(split, v) for n, v in s.items()} if k in split.names else s for k, s in osd["state"].items()}
+    return {**osd, "state": state}

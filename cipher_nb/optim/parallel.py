@@ -19,7 +19,7 @@ from ..config.load import ConfigError, TrainConfig
 from ..core import DistEnv
 from ..model.lm import attention_kernels_used
 from ..model.moe import moe_kernels_used
-from .expert_parallel import ExpertParallel
+from .expert_parallel import ExpertParallel, ep_mesh, shard_experts
 
 # %% ../../nbs/08b_optim_parallel.ipynb #78278a22
 def _at(model: nn.Module, path: str):
@@ -129,12 +129,15 @@ def apply_fsdp(model: nn.Module, dtype: torch.dtype = torch.float32, mesh=None, 
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     # pinned host memory needs an accelerator; without one (CPU tests) the policy must not pin
-    kw = dict(mesh=mesh, mp_policy=fsdp_policy(dtype))
+    kw = dict(mp_policy=fsdp_policy(dtype))
     kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    split = getattr(model, "expert_parallel", None)
+    if split is not None:  # first: a block's own group then leaves the experts' parameters to theirs
+        shard_experts(split, **kw)
     blocks = model_blocks(model)
     for i, (_, blk) in enumerate(blocks):
-        fully_shard(blk, reshard_after_forward=i < len(blocks) - 1, **kw)
-    return fully_shard(model, **kw)
+        fully_shard(blk, mesh=mesh, reshard_after_forward=i < len(blocks) - 1, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
 
 # %% ../../nbs/08b_optim_parallel.ipynb #1b86d1da
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
@@ -156,7 +159,9 @@ def parallelize(
             "training.cpu_offload offloads FSDP2 shards: set training.parallel=fsdp and run under torchrun"
         )
     if training.expert_parallel > 1:  # first: the blocks checkpointed and compiled hold the split experts
-        model.expert_parallel = ExpertParallel(model, training.expert_parallel, env.rank, env.world_size)
+        fsdp = env.distributed and training.parallel == "fsdp"  # a 2-D mesh: experts over dp, the rest over all
+        mesh = ep_mesh(training.expert_parallel, env.world_size, device.type) if fsdp else None
+        model.expert_parallel = ExpertParallel(model, training.expert_parallel, env.rank, env.world_size, mesh)
     apply_ac(model, training.activation_checkpoint)
     compiled = apply_compile(model) if training.compile else False
     info = {"compiled": compiled, "activation_checkpoint": training.activation_checkpoint}

@@ -23,7 +23,7 @@ from torch import nn
 from ..config.load import Config, TrainConfig, config_hash
 from ..core import rng_state, seed_everything, set_rng_state
 from ..model.lm import renamed
-from ..optim.expert_parallel import full_layout
+from ..optim.expert_parallel import full_layout, optimizer_layout
 from cipher_nb.persist.files import (
     EXPORT_WEIGHTS,
     FORMAT,
@@ -305,7 +305,8 @@ def _state_dicts(model, optimizer, dcp_api: bool = False):
 
     if optimizer is None:
         return get_model_state_dict(model), None
-    return get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer)  # split experts under FSDP2: the model's hooks gave their whole layout
+    return msd, optimizer_layout(model, osd, whole=True)
 
 # %% ../../nbs/09a_persist_checkpointer.ipynb #2eecbd9f
 def training_state(
@@ -403,7 +404,8 @@ def restore_training_state(
                 if dcp_api:
                     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-                    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+                    osd = optimizer_layout(model, state["optimizer"], whole=False)
+                    set_optimizer_state_dict(model, optimizer, osd)
                 else:
                     optimizer.load_state_dict(state["optimizer"])
             except (RuntimeError, KeyError, ValueError) as e:
