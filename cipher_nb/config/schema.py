@@ -230,7 +230,7 @@ class TrainConfig:
     seed: int = 0
     device: str = cosmetic("auto")
     parallel: Parallel = "ddp"  # fsdp under torchrun
-    expert_parallel: int = cosmetic(1)  # ranks that split each MoE layer's routed experts (ddp); 1 = off
+    expert_parallel: int = cosmetic(1)  # ranks that split each MoE layer's routed experts (ddp or fsdp); 1 = off
     cpu_offload: bool = cosmetic(False)  # fsdp: parameters, gradients and optimizer state live in CPU memory
     compile: bool = cosmetic(False)  # torch.compile each block (regional compilation)
     activation_checkpoint: ActCheckpoint = cosmetic("none")  # per block: recompute activations in backward
