@@ -1,8 +1,9 @@
 """torch.compile of a transformer block holding an MoE (CPU, float32, the tiny-cpu preset's widths): the compiled
 block equals the eager one forward and backward, compiles to one graph with no break in training as in evaluation, and
 does not recompile after its first call with the same shapes, not even when an expert gets no token; so does the block
-of every compiled token-level preset at CPU-sized widths. The counts for balancing leave the graph as an output: a
-checkpointed forward's recomputation hands none back."""
+of every compiled token-level preset at CPU-sized widths, with or without activation checkpointing. The counts for
+balancing leave the graph as an output: a checkpointed forward's recomputation hands none back. The kernels the layers
+took are noted by the block before its (checkpointed) forward, so the compiled forward holds no side effect."""
 
 import copy
 import dataclasses
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn as nn
 import yaml
 from conftest import ROOT
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -17,6 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from cipher_nb.config.load import ModelConfig, load_config
 from cipher_nb.model.lm import Block, rope_frequencies, rope_tables
 from cipher_nb.model.moe import MoE, moe_kernels_used, update_moe_biases
+from cipher_nb.optim.parallel import AC_MODES, apply_ac, compile_count, kernels_in_use
 from cipher_nb.train.builder import MoEBalancing
 
 CFG = ModelConfig()  # the tiny-cpu preset
@@ -68,6 +71,41 @@ def test_compiled_block_equals_eager(impl):
     assert moe_kernels_used(comp) == comp.ffn.kernel
 
 
+def _stack(blk):
+    "`blk` as the one block of a model, so `apply_ac` and `kernels_in_use` treat it as the trainer's."
+    model = nn.Module()
+    model.layers = nn.ModuleList([blk])
+    return model
+
+
+@pytest.mark.parametrize("ac,backend", [("selective", "inductor"), ("full", "aot_eager")])  # full: the graph alone
+def test_checkpointed_compiled_block_equals_eager(ac, backend):
+    """Checkpointed, then compiled, as `parallelize` does: one graph and the eager block's outputs, gradients and
+    counts; the kernels noted as the eager block notes them; the balancing callback counts each token once."""
+    torch._dynamo.reset()
+    eager = _block("auto")
+    comp = copy.deepcopy(eager)
+    model = apply_ac(_stack(comp), ac)
+    comp.compile(backend=backend, dynamic=False)
+    graphs = compile_count()
+    x, cos, sin = _inputs()
+    g = torch.randn_like(x)
+    ye, xge, ge, ce = _fwd_bwd(eager, x, cos, sin, g)
+    balance = MoEBalancing()
+    xc = x.clone().requires_grad_()
+    yc, aux, stats = comp(xc, cos, sin)
+    balance.after_forward(None, SimpleNamespace(stats=stats))  # as the trainer hands it the step's stats
+    ((yc * g).sum() + sum(aux.values())).backward()  # the backward recomputes the forward, counts included
+    torch.testing.assert_close(yc.detach(), ye, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(xc.grad, xge, rtol=1e-4, atol=1e-5)
+    for n, p in comp.named_parameters():
+        torch.testing.assert_close(p.grad, ge[n.removeprefix("_orig_mod.")], rtol=1e-4, atol=1e-5, msg=n)
+    assert torch.equal(balance.load["expert_counts"], ce.long()) and ce.sum() == B * T * CFG.moe.top_k
+    want = {"compiled": ["layers.0"], "activation_checkpoint": ac, "attention": "sdpa", "moe": "grouped"}
+    assert kernels_in_use(model) == want
+    assert compile_count() == graphs + 1  # a block that ran eagerly (a refused side effect) adds none
+
+
 def test_compiled_step_has_no_graph_breaks():
     "The Block (and the MoE alone) in training and in evaluation: one graph, no break, no reason given for one."
     x, cos, sin = _inputs()
@@ -117,12 +155,15 @@ def _compiled_presets() -> list:
 SHRINK = ["model.d_model=64", "model.attention.head_dim=16", "model.moe.expert_d_ff=32", "model.d_ff=128"]
 
 
+@pytest.mark.parametrize("ac", AC_MODES)
 @pytest.mark.parametrize("preset", _compiled_presets())
-def test_compiled_presets_have_no_graph_breaks(preset):
-    "A compiled preset's block at CPU-sized widths: one graph, no break; one compile, a step starving an expert too."
+def test_compiled_presets_have_no_graph_breaks(preset, ac):
+    """A compiled preset's block at CPU-sized widths, checkpointed each way: one graph, no break; one compile, a step
+    starving an expert too; the kernels the layers took noted on them."""
     c = load_config(ROOT / f"examples/configs/{preset}.yaml", [*SHRINK, "training.device=cpu"]).model
     torch.manual_seed(0)
     blk = Block(c, moe=c.moe.n_routed > 0).train()
+    model = apply_ac(_stack(blk), ac)
     inv, scale = rope_frequencies(c.attention.head_dim)
     cos, sin = rope_tables(torch.arange(T)[None], inv, scale)
     xs = [torch.randn(B, T, c.d_model) for _ in range(3)]
@@ -138,6 +179,8 @@ def test_compiled_presets_have_no_graph_breaks(preset):
                 blk.ffn.expert_bias[0] = -10.0  # expert 0 gets no token
         _fwd_bwd(fn, x, cos, sin, torch.ones_like(x))
     assert counter.frame_count == 1, counter.frame_count
+    moe = "grouped" if c.moe.n_routed else "none"  # auto on a CPU in float32 at aligned widths
+    assert (kernels_in_use(model)["attention"], kernels_in_use(model)["moe"]) == ("sdpa", moe)
 
 
 def test_moe_compiles_to_one_graph():

@@ -6,9 +6,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/model_attention.html.md"""
 
 # %% auto #0
 __all__ = ['ATTN_KERNELS', 'rope_frequencies', 'rope_tables', 'apply_rope', 'attention_kernel', 'attention_mask', 'mask_mod',
-           'flex_functions', 'block_mask', 'varlen_offsets', 'AttnMask', 'build_attn_mask', 'varlen_window_size',
-           'attend', 'KVSlot', 'KVCache', 'Attention', 'rope_dim', 'LatentAttention', 'build_attention',
-           'attention_kernels_used']
+           'flex_functions', 'block_mask', 'varlen_offsets', 'AttnMask', 'build_attn_mask', 'as_attn_mask',
+           'varlen_window_size', 'attend', 'KVSlot', 'KVCache', 'Attention', 'rope_dim', 'LatentAttention',
+           'build_attention', 'attention_kernels_used']
 
 # %% ../../nbs/05d_model_attention.ipynb #a77e0004
 import functools
@@ -166,6 +166,11 @@ def build_attn_mask(kernel: str, T: int, doc_ids=None, window: int = 0, valid=No
         raise ValueError(f"unknown attention kernel {kernel!r}: expected one of {ATTN_KERNELS}")
     return AttnMask("sdpa", dense=attention_mask(T, doc_ids, window, valid, device))
 
+# %% ../../nbs/05d_model_attention.ipynb #a7290c15
+def as_attn_mask(mask) -> AttnMask:
+    "`mask` as an `AttnMask`: one already is; a dense boolean mask [B or 1, 1, T, T], or None, runs sdpa."
+    return mask if isinstance(mask, AttnMask) else AttnMask("sdpa", dense=mask)
+
 # %% ../../nbs/05d_model_attention.ipynb #b077382a
 def varlen_window_size(window: int) -> tuple:
     "Flash's `window_size = (left, right)` (query i sees keys i - left .. i + right) for a causal `window`."
@@ -270,7 +275,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, self.nkv * self.hd, bias=False)
         self.wo = nn.Linear(self.nh * self.hd, cfg.d_model, bias=False)
         self.drop = nn.Dropout(cfg.dropout)  # on the heads' output: every kernel, the same numerics
-        self.kernel = ""  # the kernel of the last call (read for the run record)
+        self.kernel = ""  # the kernel of the last eager call (read for the run record; compiled, the block notes it)
 
     def forward(self, x, cos, sin, mask=None, kv: KVSlot = None):
         B, T, _ = x.shape
@@ -280,9 +285,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:  # generation: store this step's keys and values, read every cached one
             k, v = kv.update(k, v)
-        mask = mask if isinstance(mask, AttnMask) else AttnMask("sdpa", dense=mask)
+        mask = as_attn_mask(mask)
         y = self.drop(attend(q, k, v, mask))  # [B, nh, T, hd]
-        self.kernel = mask.kernel
+        if not torch.compiler.is_compiling():  # no side effect in a traced forward: a checkpoint refuses one
+            self.kernel = mask.kernel
         return self.wo(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 # %% ../../nbs/05d_model_attention.ipynb #16d12a35
@@ -332,8 +338,9 @@ class LatentAttention(nn.Module):
         q_rope = apply_rope(q_rope, cos, sin)
         if kv is not None:  # the cache holds the latent and the RoPE key only
             c, k_rope = kv.update(c, k_rope)
-        mask = mask if isinstance(mask, AttnMask) else AttnMask("sdpa", dense=mask)
-        self.kernel = mask.kernel
+        mask = as_attn_mask(mask)
+        if not torch.compiler.is_compiling():  # as `Attention`: compiled, the block notes the kernel
+            self.kernel = mask.kernel
         scale = (self.hd + self.dr) ** -0.5
         if self.absorb and kv is not None and kv.cache.t > 0:  # a decode step: score against the latents
             w_uk, w_uv = self.wkv_b.weight.view(self.nh, 2 * self.hd, self.r).split(self.hd, dim=1)  # [nh, hd, r]

@@ -21,6 +21,7 @@ from ..config.load import ModelConfig
 from .attention import ATTN_KERNELS as ATTN_KERNELS  # re-exported for older imports
 from cipher_nb.model.attention import (
     KVCache,
+    as_attn_mask,
     attention_kernel,
     build_attention,
     build_attn_mask,
@@ -51,6 +52,15 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = MoE(cfg) if moe else SwiGLU(cfg.d_model, cfg.dense_d_ff)
         self.drop = nn.Dropout(cfg.dropout)  # each residual branch, before its add (training only)
+        # a pre-hook runs outside the forward, so outside the checkpoint that activation checkpointing puts around it
+        self.register_forward_pre_hook(Block.note_kernels, with_kwargs=True)
+
+    def note_kernels(self, args, kwargs):
+        "Forward pre-hook: note on the layers the kernels this call takes (`attn.kernel`, `ffn.kernel`), for a record."
+        a = dict(zip(("x", "cos", "sin", "mask", "kv"), args), **kwargs)  # the forward's arguments by name
+        self.attn.kernel = as_attn_mask(a.get("mask")).kernel
+        if isinstance(self.ffn, MoE) and a.get("kv") is None:  # generation's `output` notes none
+            self.ffn.kernel = self.ffn.path(a["x"])
 
     def forward(self, x, cos, sin, mask=None, kv=None):
         x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, mask, kv))

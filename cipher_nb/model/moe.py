@@ -483,7 +483,7 @@ class MoE(nn.Module):
             self.experts = RoutedExperts(E, d, h)
         self.shared = SwiGLU(d, cfg.moe.n_shared * h) if cfg.moe.n_shared > 0 else None
         self.register_buffer("expert_bias", torch.zeros(E))
-        self.kernel = None  # the expert path ('grouped', 'bmm' or 'loop') the last forward took
+        self.kernel = None  # the expert path ('grouped', 'bmm' or 'loop') the last forward took (see `path`)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -510,6 +510,11 @@ class MoE(nn.Module):
         bias = self.expert_bias.to(rdt) if m.bias_balance else None
         return (logits, *route(logits, m.top_k, m.router_score, m.router_renorm, m.route_scale, bias))
 
+    def path(self, x) -> str:
+        "The expert path for input x: `resolve_moe_impl` at x's device and compute dtype (stateless: callers agree)."
+        m = self.cfg.moe
+        return resolve_moe_impl(m.impl, x.device, compute_dtype(x), self.cfg.d_model, *expert_width(m))
+
     def forward(self, x):
         "x [B,T,d] -> (y [B,T,d], aux: weighted losses, stats: detached monitor tensors)."
         c = self.cfg
@@ -518,8 +523,9 @@ class MoE(nn.Module):
         xf = x.reshape(-1, c.d_model)  # [N, d]
         logits, scores, idx, gates = self.select(xf)  # [N, E], [N, E], [N, k], [N, k]
         counts = expert_counts(idx, c.moe.n_routed)  # [E]
-        impl = resolve_moe_impl(c.moe.impl, x.device, compute_dtype(xf), c.d_model, *expert_width(c.moe))
-        self.kernel = impl
+        impl = self.path(xf)
+        if not torch.compiler.is_compiling():  # no side effect in a traced forward: compiled, the block notes it
+            self.kernel = impl
         y = self.experts(xf, idx, gates, impl, counts)
         if self.shared is not None:
             y = y + self.shared(xf)
@@ -539,7 +545,7 @@ class MoE(nn.Module):
             h = F.silu(a) * b * gates.to(dt)[..., None]  # [N, k, hidden]
             y = torch.einsum("nkh,nkdh->nd", h, ex.w_down[idx].to(dt))
         else:
-            y = self.experts(xf, idx, gates, resolve_moe_impl(m.impl, x.device, dt, self.cfg.d_model, *expert_width(m)))
+            y = self.experts(xf, idx, gates, self.path(xf))
         if self.shared is not None:
             y = y + self.shared(xf)
         return y.view(x.shape).to(x.dtype)
