@@ -39,6 +39,32 @@ CPU = [
     "data.num_workers=0",
     "data.pin_memory=false",
 ]
+# the Spider preset at CPU size: its byte model with a recurrent core of 3 loops (ACT halting, loop LoRA), MLA,
+# shared-projection experts, Engram memory and the boundary predictor, at width 32; its six-source curriculum kept,
+# each source read from a few mock documents of its script
+SPIDER = [
+    "model.d_model=32",
+    "model.n_layers=3",
+    "model.d_ff=64",
+    "model.recurrence.n_prelude=1",
+    "model.recurrence.n_core=1",
+    "model.recurrence.n_coda=1",
+    "model.recurrence.n_loops=3",
+    "model.recurrence.loop_lora_rank=2",
+    "model.attention.n_heads=2",
+    "model.attention.head_dim=16",
+    "model.attention.kv_lora_rank=16",
+    "model.attention.rope_head_dim=8",
+    "model.moe.n_routed=4",
+    "model.moe.top_k=1",
+    "model.moe.shared_inter=64",
+    "model.moe.expert_rank=8",
+    "model.engram.layers=[1]",
+    "model.engram.dim=16",
+    "model.engram.table_size=101",
+    "training.grad_accum=1",
+]
+SCRIPTS = dict(english="latin", russian="cyrillic", chinese="cjk", telugu="telugu", code="code", math="math")
 # a pretraining horizon of its own, and a rate that moves the routers within it (the gate reads them)
 PRETRAIN = "schedule.max_steps=16 schedule.warmup_steps=2 schedule.lr=3e-3"
 SFT = "sft.heldout_frac=0.2"
@@ -129,6 +155,34 @@ def test_h100_chain_runs_every_stage_from_the_one_before(h100):
     assert files and files == sorted(p.relative_to(mirror) for p in mirror.rglob("*") if p.is_file())
     assert all(sha256(local / f) == sha256(mirror / f) for f in files)
     assert "chain: done" in r.stderr
+
+
+def test_spider_chain_prepares_its_curriculum_as_shards_and_runs_every_stage(tmp_path):
+    "flexitokens-h100: its curriculum of six sources prepared into one shards directory, each source reading its own."
+    data = ["data.heldout_frac=0.2"]  # a few held-out documents of 24 for the evaluation
+    for name, script in SCRIPTS.items():
+        folder = corpus(tmp_path / f"corpus/{name}", script, 4)
+        data += [f"data.sources.{name}.{k}" for k in ("source=files", f"path={folder}", "subset=")]
+    sft = f"{SFT} sft.data={sft_file(tmp_path / 'sft.jsonl')}"
+    pretrain = "schedule.target_tokens=8192 schedule.warmup_steps=2 schedule.lr=3e-3"  # its token target, shrunk
+    env = dict(RUN_NAME="s", PRETRAIN_ARGS=pretrain, SFT_ARGS=sft)
+    r = chain(tmp_path, "flexitokens-h100", *SPIDER, *CPU, "training.seq_len=128", *data, **env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    shards, runs = tmp_path / "persist/shards/flexitokens-h100", tmp_path / "runs"
+    assert not (tmp_path / "persist/tokenizers").exists()  # a byte model: no tokenizer
+    assert {s["source"] for s in json.loads((shards / "manifest.json").read_text())["shards"]} == set(SCRIPTS)
+    for stage in ("pretrain", "refinement", "sft"):
+        cfg = yaml.safe_load((runs / f"s-{stage}/config.yaml").read_text())
+        assert {n: (s["source"], s["path"]) for n, s in cfg["data"]["sources"].items()} == {
+            n: ("shards", str(shards)) for n in SCRIPTS
+        }
+        assert len(cfg["data"]["phases"]) == 5 and (runs / f"s-{stage}/final/COMPLETE").exists()
+    rec = {s: json.loads((runs / f"s-{s}/record.json").read_text()) for s in ("pretrain", "refinement", "sft")}
+    plan = rec["pretrain"]["schedule"]  # the token target buys 8,192 // (4 x 128) steps
+    assert (plan["set_by"], plan["max_steps"]) == ("schedule.target_tokens = 8,192", 16)
+    assert rec["refinement"]["schedule"]["set_by"] == "schedule.epochs = 1"  # one pass: each source's tokens once
+    assert rec["sft"]["source_checkpoint"]["stage"] == "refinement"
+    assert (tmp_path / "persist/s-sft/final.sha256").is_file() and "chain: done" in r.stderr
 
 
 def test_a_bad_sft_file_stops_the_chain_at_sft_with_exit_2(h100, tmp_path):
