@@ -216,3 +216,29 @@ def test_torchrun_launch_exits_with_a_workers_2_or_3(tmp_path, code, want):
     assert r.returncode == want, r.stderr[-3000:]
     assert f"exitcode  : {code}" in r.stderr  # torchrun's report still reaches the console
     assert ("its first failed worker 3: exit 3" in r.stderr) == (code == 3)
+
+
+def test_the_spider_presets_chain_as_launched_reads_its_curriculum_from_shards():
+    "DRY_RUN=1 on the shipped flexitokens-h100: each stage's command, its lineage, refinement resolving to one pass."
+    import shlex
+
+    from cipher_nb.config.load import load_config
+
+    env = {"DRY_RUN": "1", "PERSIST": "/mnt/p", "RUN_NAME": "a", "PY": sys.executable}
+    r = run_cli("bash", str(ROOT / "launch/chain.sh"), "examples/configs/flexitokens-h100.yaml", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cmds = [shlex.split(line) for line in (r.stdout + r.stderr).splitlines() if line.strip() and "==" not in line]
+    runs = [c for c in cmds if c[0] == "torchrun"]
+    prep = next(c for c in cmds if c[:2] == ["cipher-data", "prepare"])
+    assert prep[prep.index("--out") + 1] == "/mnt/p/shards/flexitokens-h100" and len(runs) == 3
+    stages = [c[c.index("cipher-train") + 2 : c.index("--out")] for c in runs]
+    for settings in stages:  # every source of the curriculum read from the one prepared directory
+        for name in SCRIPTS:
+            assert f"data.sources.{name}.source=shards" in settings
+            assert f"data.sources.{name}.path=/mnt/p/shards/flexitokens-h100" in settings
+    assert "stage.init=runs/a-pretrain/final" in stages[1] and "stage.init=runs/a-refinement/final" in stages[2]
+    preset = "examples/configs/flexitokens-h100.yaml"
+    assert load_config(preset, stages[1]).schedule.epochs == 1  # refinement: one pass, the preset's target dropped
+    assert load_config(preset, stages[2]).schedule.lr == 2e-5  # SFT: the guide's schedule
+    assert ["cipher-gate", "runs/a-pretrain"] in cmds and ["cipher-export", "runs/a-sft", "--mirror", "/mnt/p"] in cmds
+    assert next(c for c in cmds if c[0] == "cipher-eval")[1] == "runs/a-sft/final"
