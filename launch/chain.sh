@@ -9,10 +9,11 @@
 #   PERSIST=/mnt/persist RUN_NAME=h100-a launch/chain.sh examples/configs/h100.yaml [section.key=value ...]
 #
 # The overrides go to every stage; PRETRAIN_ARGS, REFINE_ARGS and SFT_ARGS (space separated) to one stage only (a
-# stage keeps a horizon or a learning rate given to it, so give those per stage). The stages write runs/$RUN_NAME-pretrain,
-# -refinement and -sft. The chain stops at the first step that fails, says which, and exits with that step's code
-# (1 failed, 2 bad input or config, 3 out of memory); the stages before it are kept. Run the same command again (same
-# RUN_NAME) to go on: a stage whose final/ is complete is not trained again, an unfinished one resumes.
+# stage keeps a horizon or a learning rate given to it, so give those per stage). The stages write
+# runs/$RUN_NAME-pretrain, -refinement and -sft. The chain stops at the first step that fails, says which, and exits
+# with that step's code (1 failed, 2 bad input or config, 3 out of memory); the stages before it are kept. Run the same
+# command again (same RUN_NAME) to go on: a stage whose final/ is complete is not trained again, an unfinished one
+# resumes. A stop signal to the group ends the chain with 0 once the running step has stopped (a stage saves first).
 # Environment: PERSIST (required), NPROC (GPUs, 8), RUN_NAME (<preset>-<date>), RUNS (runs), PRETRAIN_ARGS,
 # REFINE_ARGS, SFT_ARGS, MC (a multiple-choice jsonl for cipher-eval), EVAL_DOCS (held-out documents, 32), PLAN_ARGS
 # (cipher-plan's, e.g. --gpu h200), PREFLIGHT_ARGS, DRY_RUN=1 (print the commands only).
@@ -29,11 +30,19 @@ stop() {  # stop NAME CODE: the chain ends at step NAME with its exit code (anyt
   echo "chain: step '$1' failed (exit $2): stopped, exit $code; the stages before it are kept in $RUNS/$RUN_NAME-*" >&2
   exit "$code"
 }
-step() {  # step NAME COMMAND...: one step of the chain, stopping it on failure
+# A stop signal (a scheduler's, Ctrl-C) sent to the group reaches the running step too, which stops cleanly (a stage
+# saves a checkpoint); bash runs this trap once the step has ended, and the chain ends there with the step's code.
+STOPPED=""
+for s in TERM INT HUP; do trap "STOPPED=$s" "$s"; done
+step() {  # step NAME COMMAND...: one step of the chain, stopping it on failure or after a stop signal
   local name="$1" rc=0; shift
   echo "== chain: $name" >&2
   "$@" || rc=$?
   [ "$rc" = 0 ] || stop "$name" "$rc"
+  if [ -n "$STOPPED" ]; then
+    echo "chain: stopped by SIG$STOPPED during '$name': the same command (same RUN_NAME) goes on from there" >&2
+    exit 0
+  fi
 }
 stage() {  # stage NAME ARGS...: train one stage with train_node.sh into $RUNS/$RUN_NAME-NAME
   local name="$1" out="$RUNS/$RUN_NAME-$1"; shift
@@ -53,7 +62,9 @@ if [ -n "$TOKENIZER" ]; then SETTINGS+=("$TOKENIZER"); fi
 echo "== chain: shards" >&2
 SHARDED="$(shards_settings "$CONFIG" "$PERSIST" "${SETTINGS[@]}")" || stop shards $?
 if [ -n "$SHARDED" ]; then mapfile -t -O "${#SETTINGS[@]}" SETTINGS <<< "$SHARDED"; fi
-read -r -a PRETRAIN <<< "${PRETRAIN_ARGS:-}"; read -r -a REFINE <<< "${REFINE_ARGS:-}"; read -r -a SFT <<< "${SFT_ARGS:-}"
+read -r -a PRETRAIN <<< "${PRETRAIN_ARGS:-}"
+read -r -a REFINE <<< "${REFINE_ARGS:-}"
+read -r -a SFT <<< "${SFT_ARGS:-}"
 
 # the steps and tokens pretraining plans at NPROC ranks, then its memory per GPU (exit 2 when it does not fit)
 step plan run cipher-config "$CONFIG" "${SETTINGS[@]}" ${PRETRAIN[@]+"${PRETRAIN[@]}"} --gpus "$NPROC"

@@ -30,13 +30,15 @@ sys.exit(0 if c.data.codec == "tokenizer" and not c.data.tokenizer else 1)' "$co
 shards_settings() {
   local config="$1" dir="$2" names; shift 2
   [ "${SHARDS:-1}" != 0 ] || return 0
-  names="$("$PY" -c 'import sys; from cipher_nb.config.load import load_config; d = load_config(sys.argv[1], sys.argv[2:]).data
+  names="$("$PY" -c 'import sys; from cipher_nb.config.load import load_config
+d = load_config(sys.argv[1], sys.argv[2:]).data
 kinds = {s.get("source") for s in d.sources.values()} if d.sources else {d.source}
-print(" ".join(d.sources) if d.sources else "-"); sys.exit(1 if kinds == {"shards"} else 0)' "$config" "$@")" || return 0
+print(" ".join(d.sources) if d.sources else "-")
+sys.exit(1 if kinds == {"shards"} else 0)' "$config" "$@")" || return 0
   local out="$dir/shards/$(basename "$config" .yaml)"
   # prepared already: the run checks every shard against the manifest before step 0, so hashing them here is not needed
-  [ -f "$out/manifest.json" ] || run cipher-data prepare "$config" "$@" --out "$out" --procs "$(nproc)" --wait --quiet >&2 \
-    || return  # a failure: its exit code
+  [ -f "$out/manifest.json" ] \
+    || run cipher-data prepare "$config" "$@" --out "$out" --procs "$(nproc)" --wait --quiet >&2 || return
   if [ "$names" = - ]; then printf '%s\n' data.source=shards "data.path=$out"; return; fi
   for n in $names; do printf '%s\n' "data.sources.$n.source=shards" "data.sources.$n.path=$out"; done
 }

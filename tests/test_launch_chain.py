@@ -242,3 +242,45 @@ def test_the_spider_presets_chain_as_launched_reads_its_curriculum_from_shards()
     assert load_config(preset, stages[2]).schedule.lr == 2e-5  # SFT: the guide's schedule
     assert ["cipher-gate", "runs/a-pretrain"] in cmds and ["cipher-export", "runs/a-sft", "--mirror", "/mnt/p"] in cmds
     assert next(c for c in cmds if c[0] == "cipher-eval")[1] == "runs/a-sft/final"
+
+
+def test_a_stop_signal_ends_the_chain_after_the_stage_saves(h100, tmp_path):
+    "SIGTERM to the chain's process group during pretraining: the stage saves and stops, the chain ends there with 0."
+    import signal
+    import subprocess
+    import time
+
+    d, _ = h100
+    for kept in ("tokenizers", "shards"):
+        shutil.copytree(d / f"persist/{kept}", tmp_path / f"persist/{kept}")
+    data = [f"data.path={d / 'corpus'}", "data.source=files", "data.subset="]
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PY": sys.executable,
+        "NPROC": "1",
+        "PERSIST": str(tmp_path / "persist"),
+        "RUNS": str(tmp_path / "runs"),
+        "RUN_NAME": "h",
+        "PREFLIGHT_ARGS": "--skip-gpu --skip-plan",
+        "PRETRAIN_ARGS": "schedule.max_steps=100000 schedule.warmup_steps=2 training.checkpoint_every=3",
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    cmd = ["bash", str(ROOT / "launch/chain.sh"), "examples/configs/h100.yaml", *H100, *CPU, *data]
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    try:
+        first = tmp_path / "runs/h-pretrain/checkpoints/step_0000003/COMPLETE"
+        for _ in range(1200):  # training, past its first checkpoint
+            if first.exists() or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        os.killpg(p.pid, signal.SIGTERM)
+        err = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, err[-3000:]
+    assert "chain: stopped by SIGTERM during 'pretrain'" in err and "stopped cleanly" in err, err[-3000:]
+    assert not (tmp_path / "runs/h-pretrain/final").exists() and not (tmp_path / "runs/h-refinement").exists()
