@@ -5,7 +5,8 @@
         --out runs/h100-a
 
 One line per check (PASS / FAIL / SKIP with the figure behind it), then the verdict; exit 1 when any check fails,
-with the reasons. Checks: the config loads; GPUs are present (count, name, memory) and the requested precision runs
+with the reasons, and 2 when each failure is in the input (a config, data or `--init` that cipher-train would refuse
+with exit 2). Checks: the config loads; GPUs are present (count, name, memory) and the requested precision runs
 on them; the run directory and the persistent checkpoint directory (`training.persistent_dir`; the cipher-training
 runbook: never checkpoint only to local disk) have room for the checkpoints the run keeps; the persistent directory
 takes a write that reads back identical; a `--init` source exists and fits the stage contract; the data is
@@ -26,13 +27,22 @@ from pathlib import Path
 GB = 1e9
 
 
+def bad_input(e: Exception) -> bool:
+    "Whether `e` is an error in the config, data or checkpoint given, one that cipher-train refuses with exit 2."
+    from cipher_nb.config.load import ConfigError
+    from cipher_nb.data.sources import DataError
+    from cipher_nb.persist.marker import CheckpointError
+
+    return isinstance(e, (ConfigError, CheckpointError, DataError, FileNotFoundError, ValueError))
+
+
 def check(name, fn):
     "Run one check: fn returns (passed, figure); an exception is a failure whose message is the figure."
     try:
         ok, fig = fn()
     except Exception as e:
-        ok, fig = False, f"{type(e).__name__}: {e}"
-    return name, ok, fig
+        return name, False, f"{type(e).__name__}: {e}", bad_input(e)
+    return name, ok, fig, False
 
 
 def check_gpu(cfg, want: int):
@@ -213,12 +223,14 @@ def main(argv=None):
     try:
         cfg = load_config(a.config, a.overrides)
     except Exception as e:
-        results = [("config", False, f"{type(e).__name__}: {e}")]
+        results = [("config", False, f"{type(e).__name__}: {e}", bad_input(e))]
         cfg = None
     if cfg is not None:
         out = Path(a.out or Path(cfg.training.out_dir) / (cfg.training.run_name or "run"))
         results += [
-            ("gpu", None, "skipped (--skip-gpu)") if a.skip_gpu else check("gpu", lambda: check_gpu(cfg, a.gpus)),
+            ("gpu", None, "skipped (--skip-gpu)", False)
+            if a.skip_gpu
+            else check("gpu", lambda: check_gpu(cfg, a.gpus)),
             check("disk: run directory", lambda: check_disk(out, cfg, a.min_disk_gb)),
             check("run directory writable", lambda: check_writable(out, 1)),
             check("persistent checkpoint directory", lambda: check_persistent(cfg, out, a.allow_local)),
@@ -235,15 +247,16 @@ def main(argv=None):
             check("data reachable", lambda: check_data(cfg, a.data_timeout)),
         ]
         if a.skip_plan or (a.skip_gpu and not a.gpu):
-            results.append(("plan", None, "skipped (--skip-plan, or --skip-gpu without --gpu)"))
+            results.append(("plan", None, "skipped (--skip-plan, or --skip-gpu without --gpu)", False))
         else:
             results.append(check("plan", lambda: check_plan(cfg, a.gpus, a.gpu)))
-    w = max(len(n) for n, _, _ in results)
-    for n, ok, fig in results:
+    w = max(len(n) for n, *_ in results)
+    for n, ok, fig, _ in results:
         print(f"{ {True: 'PASS', False: 'FAIL', None: 'SKIP'}[ok] }  {n:<{w}}  {fig}")
-    failed = [n for n, ok, _ in results if ok is False]
-    print(f"preflight {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}")
-    return 1 if failed else 0
+    failed = [(n, bad) for n, ok, _, bad in results if ok is False]
+    print(f"preflight {'FAIL: ' + ', '.join(n for n, _ in failed) if failed else 'PASS'}")
+    # the exit-code contract: 2 when every failure is in what was given (fix the input), 1 when one is not
+    return (2 if all(bad for _, bad in failed) else 1) if failed else 0
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ RUN_NAME="${RUN_NAME:-$JOB_ID}"; PERSIST="${PERSIST:-$SHARED/persist}"; OUT="$SH
 SETTINGS=("$@" "training.persistent_dir=$PERSIST" "training.run_name=$RUN_NAME")
 TOKENIZER="$(tokenizer_setting "$CONFIG" "$PERSIST" "$@")"  # token-level presets: train the tokenizer once
 if [ -n "$TOKENIZER" ]; then SETTINGS+=("$TOKENIZER"); fi
-SHARDS_DIR="$(shards_dir "$CONFIG" "$PERSIST" "${SETTINGS[@]}")"  # one source: tokenized once, then read as shards
-if [ -n "$SHARDS_DIR" ]; then SETTINGS+=("data.source=shards" "data.path=$SHARDS_DIR"); fi
+SHARDED="$(shards_settings "$CONFIG" "$PERSIST" "${SETTINGS[@]}")"  # tokenized once, then read as shards
+if [ -n "$SHARDED" ]; then mapfile -t -O "${#SETTINGS[@]}" SETTINGS <<< "$SHARDED"; fi
 read -r -a EXTRA <<< "${TRAIN_ARGS:-}"
 # Each restart needs a fresh store for the workers' process group. torchrun's default shares the rendezvous store
 # and separates attempts by a restart count that each node keeps for itself, so after a lost rank the nodes can

@@ -17,8 +17,8 @@ OUT="${OUT:-runs/$RUN_NAME}"
 SETTINGS=("$@" "training.persistent_dir=$PERSIST" "training.run_name=$RUN_NAME")
 TOKENIZER="$(tokenizer_setting "$CONFIG" "$PERSIST" "$@")"  # token-level presets: train the tokenizer once
 if [ -n "$TOKENIZER" ]; then SETTINGS+=("$TOKENIZER"); fi
-SHARDS_DIR="$(shards_dir "$CONFIG" "$PERSIST" "${SETTINGS[@]}")"  # one source: tokenized once, then read as shards
-if [ -n "$SHARDS_DIR" ]; then SETTINGS+=("data.source=shards" "data.path=$SHARDS_DIR"); fi
+SHARDED="$(shards_settings "$CONFIG" "$PERSIST" "${SETTINGS[@]}")"  # tokenized once, then read as shards
+if [ -n "$SHARDED" ]; then mapfile -t -O "${#SETTINGS[@]}" SETTINGS <<< "$SHARDED"; fi
 
 run "$PY" "$HERE/preflight.py" "$CONFIG" "${SETTINGS[@]}" --gpus "$NPROC" --out "$OUT" ${PREFLIGHT_ARGS:-}
 # the checkpointer mirrors RUN_DIR/checkpoints to PERSIST/<name of RUN_DIR>/checkpoints

@@ -79,24 +79,24 @@ def test_preflight_passes_non_gpu_checks_with_flag(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "extra, check, expect",
-    [
-        ([], "persistent checkpoint directory", "training.persistent_dir is empty"),
-        (["training.persistent_dir=/etc/hostname/ckpt"], "persistent checkpoint directory", "Not a directory"),
-        (["PERSIST", "data.source=files", "data.path=/nonexistent/*.txt"], "data reachable", "/nonexistent"),
-        (["PERSIST", "--min-disk-gb", "1e9"], "disk: run directory", "need 1,000,000,000.0 GB"),
-        (["PERSIST", "model.moe.top_k=40"], "config", "model.moe.top_k"),
-        (["PERSIST", "INIT"], "init source", "no_such_checkpoint"),
+    "extra, check, expect, code",
+    [  # exit 2: the failure is in the input (a config, data or --init cipher-train would refuse with 2)
+        ([], "persistent checkpoint directory", "training.persistent_dir is empty", 1),
+        (["training.persistent_dir=/etc/hostname/ckpt"], "persistent checkpoint directory", "Not a directory", 1),
+        (["PERSIST", "data.source=files", "data.path=/nonexistent/*.txt"], "data reachable", "/nonexistent", 2),
+        (["PERSIST", "--min-disk-gb", "1e9"], "disk: run directory", "need 1,000,000,000.0 GB", 1),
+        (["PERSIST", "model.moe.top_k=40"], "config", "model.moe.top_k", 2),
+        (["PERSIST", "INIT"], "init source", "no_such_checkpoint", 2),
     ],
 )
-def test_preflight_names_each_problem(tmp_path, extra, check, expect):
+def test_preflight_names_each_problem(tmp_path, extra, check, expect, code):
     sub = {
         "PERSIST": f"training.persistent_dir={tmp_path / 'p'}",
         "INIT": f"stage.init={tmp_path / 'no_such_checkpoint'}",
     }
     extra = [sub.get(e, e) for e in extra]
     r = preflight_in_process("--skip-gpu", *TINY, *extra, "--out", str(tmp_path / "run"))
-    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
+    assert r.returncode == code and "Traceback" not in r.stdout + r.stderr
     res = lines(r.stdout)
     assert res[check][0] == "FAIL" and expect in res[check][1], res[check]
     assert (

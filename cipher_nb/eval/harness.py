@@ -28,7 +28,7 @@ from ..config.load import ConfigError, config_from_dict
 from ..core import autocast, resolve_device
 from ..data.codecs import build_codec
 from ..data.shards import ShardStream
-from ..data.sources import DataError, source_documents
+from ..data.sources import DataError, source_documents, source_specs
 from ..model.attention import CacheMiss
 from ..model.boundary import check_bp_mode
 from ..model.lm import CipherModel, cache_blocker
@@ -471,14 +471,17 @@ def harness_eval(model: nn.Module, codec, tasks: str, tasks_dir: str = None, max
 # %% ../../nbs/12_eval_harness.ipynb #27bcaa43
 def heldout_texts(data, codec, docs: int) -> list:
     "Up to `docs` held-out documents of `data` as bytes: decoded from prepared shards, else read from its sources."
-    if data.source != "shards":
+    specs = source_specs(data).values()
+    if any(s.source != "shards" for s in specs):
         return [d[: data.max_bytes or None] for d in source_documents(data, "heldout", limit=docs)]
-    stream, out = ShardStream(data.path, "heldout", 0, 1, seed=0, epochs=1), []
-    while len(out) < docs and (ids := stream.next_doc()) is not None:
-        out.append(codec.decode_bytes(ids))  # BOS and EOS dropped: `text_batches` adds them again
+    out, dirs = [], list(dict.fromkeys(s.path for s in specs))  # a curriculum's sources share one directory
+    for path in dirs:  # a directory's held-out split holds the held-out documents of every source in it
+        stream = ShardStream(path, "heldout", 0, 1, seed=0, epochs=1)
+        while len(out) < docs and (ids := stream.next_doc()) is not None:
+            out.append(codec.decode_bytes(ids))  # BOS and EOS dropped: `text_batches` adds them again
     if not out:
         raise DataError(
-            f"the prepared shards at {data.path} hold no held-out split: give --docs 0, or prepare them with one"
+            f"the prepared shards at {', '.join(dirs)} hold no held-out split: give --docs 0, or prepare them with one"
         )
     return out
 
