@@ -6,11 +6,13 @@ Docs: https://cipher-nb.github.io/cipher_nb/persist_export.html.md"""
 
 # %% auto #0
 __all__ = ['CODEC_FILE', 'TOKENIZER_FILE', 'CHAT_TEMPLATE_FILE', 'CARD_FILE', 'CODEC_CHAT_TEMPLATE', 'CARD_LIMITATIONS',
-           'tied_names', 'compare_state_dicts', 'byte_codec_spec', 'write_codec_files', 'chat_template_source',
-           'run_limitations', 'model_card', 'export_model', 'refresh_card', 'export_dir', 'export_codec', 'load',
-           'read_back', 'mirror_folder', 'mirror_export']
+           'MIRROR_PACKAGES', 'tied_names', 'compare_state_dicts', 'byte_codec_spec', 'write_codec_files',
+           'chat_template_source', 'run_limitations', 'model_card', 'export_model', 'refresh_card', 'export_dir',
+           'export_codec', 'load', 'read_back_error', 'read_back', 'mirror_folder', 'mirror_export', 'mirror_fs',
+           'put_hashed', 'read_back_objects', 'mirror_objects', 'mirror_url', 'verify_mirror']
 
 # %% ../../nbs/09c_persist_export.ipynb #f3b0b16a
+import hashlib
 import json
 import os
 import shutil
@@ -450,6 +452,14 @@ def load(path, device="cpu") -> tuple:
     load_weights(path, model)
     return model.to(device).eval(), export_codec(path)
 
+# %% ../../nbs/09c_persist_export.ipynb #85454c4f
+def read_back_error(name, missing: bool) -> CheckpointError:
+    "The error for a mirrored file that is missing or differs when read back: it names the file."
+    return CheckpointError(
+        f"mirror {name}: {'missing' if missing else 'its SHA-256 differs from the local file'} when read "
+        "back; the local export is kept: run the mirror again, and check the storage if it fails again"
+    )
+
 # %% ../../nbs/09c_persist_export.ipynb #a10d3404
 def read_back(path, sums: dict) -> dict:
     "Read each file of `sums` back from the folder `path` and compare SHA-256s; an error names one that differs."
@@ -460,10 +470,7 @@ def read_back(path, sums: dict) -> dict:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
         if not f.is_file() or file_sha256(f) != sha:
-            raise CheckpointError(
-                f"mirror {f}: {'missing' if not f.is_file() else 'its SHA-256 differs from the local file'} when read "
-                "back; the local export is kept: run the mirror again, and check the storage if it fails again"
-            )
+            raise read_back_error(f, missing=not f.is_file())
     return sums
 
 # %% ../../nbs/09c_persist_export.ipynb #7028b4b7
@@ -491,8 +498,114 @@ def mirror_folder(src, dst, sums: dict | None = None) -> Path:
     return dst
 
 # %% ../../nbs/09c_persist_export.ipynb #2eb52d1f
-def mirror_export(src, dest, run_name: str = "") -> Path:
-    "Mirror the export `src` (verified first) to `dest/<run>/<its name>`; the mirror's path."
+def mirror_export(src, dest, run_name: str = "") -> Path | str:
+    "Mirror the export `src` (verified first) to `dest/<run>/<its name>`, a folder or a URL; the mirror's path."
     src = Path(src)
     sums = marker_sums(verify_checkpoint(src)) if (src / "COMPLETE").is_file() else None
-    return mirror_folder(src, Path(dest) / (run_name or src.parent.name) / src.name, sums)
+    rel = f"{run_name or src.parent.name}/{src.name}"
+    if "://" in str(dest):
+        return mirror_url(src, f"{str(dest).rstrip('/')}/{rel}", sums)
+    return mirror_folder(src, Path(dest) / rel, sums)
+
+# %% ../../nbs/09c_persist_export.ipynb #8551924c
+MIRROR_PACKAGES = dict(s3="s3fs", s3a="s3fs", gs="gcsfs", gcs="gcsfs", hf="huggingface_hub", az="adlfs", abfs="adlfs")
+
+# %% ../../nbs/09c_persist_export.ipynb #1360d6d0
+def mirror_fs(url: str) -> tuple:
+    "`(filesystem, path)` of `url` through fsspec; a ValueError naming the package to install when there is none."
+    scheme = url.split("://", 1)[0]
+    try:
+        import fsspec
+    except ImportError:
+        raise ValueError(f"--mirror {url}: a URL needs fsspec: pip install fsspec (or give a mounted path)") from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError:
+        pkg = MIRROR_PACKAGES.get(scheme, f"the fsspec filesystem for {scheme}://")
+        raise ValueError(f"--mirror {url}: no {scheme}:// filesystem installed: pip install {pkg}") from None
+    except ValueError:
+        raise ValueError(f"--mirror {url}: fsspec has no filesystem for {scheme}://; give a mounted path") from None
+
+# %% ../../nbs/09c_persist_export.ipynb #bea7246c
+def put_hashed(src, fs, path: str) -> str:
+    "Upload the file `src` to `path` on `fs`, hashing the bytes as they are sent; their SHA-256."
+    h = hashlib.sha256()
+    with open(src, "rb") as a, fs.open(path, "wb") as b:
+        while chunk := a.read(1 << 22):
+            h.update(chunk)
+            b.write(chunk)
+    return h.hexdigest()
+
+# %% ../../nbs/09c_persist_export.ipynb #b3e2a6d8
+def read_back_objects(fs, root: str, sums: dict) -> dict:
+    "Read each object of `sums` back from `root` on `fs` and compare SHA-256s; an error names one that differs."
+    for rel, sha in sums.items():
+        path = f"{root}/{rel}"
+        if not fs.isfile(path):
+            raise read_back_error(fs.unstrip_protocol(path), missing=True)
+        h = hashlib.sha256()
+        with fs.open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        if h.hexdigest() != sha:
+            raise read_back_error(fs.unstrip_protocol(path), missing=False)
+    return sums
+
+# %% ../../nbs/09c_persist_export.ipynb #700da862
+def _rm_prefix(fs, path: str):
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:  # an object store has no empty folders: nothing under the prefix
+        pass
+
+# %% ../../nbs/09c_persist_export.ipynb #7e9dc258
+def mirror_objects(src, fs, dst: str, sums: dict | None = None) -> str:
+    "Copy folder `src` to `dst` on `fs` under a temporary prefix, read every object back, move them in, list last."
+    src, dst = Path(src), dst.rstrip("/")
+    files = sorted(f.relative_to(src).as_posix() for f in src.rglob("*") if f.is_file())
+    sums = {rel: (sums or {}).get(rel) or file_sha256(src / rel) for rel in files}
+    parent, name = dst.rsplit("/", 1)
+    tmp, listing = f"{parent}/.tmp-{name}", f"{parent}/{name}.sha256"
+    _rm_prefix(fs, tmp)
+    try:
+        for rel in files:
+            if put_hashed(src / rel, fs, f"{tmp}/{rel}") != sums[rel]:
+                raise CheckpointError(changed_file(src / rel) + f"; nothing was mirrored to {fs.unstrip_protocol(dst)}")
+        read_back_objects(fs, tmp, sums)
+    except BaseException:
+        _rm_prefix(fs, tmp)
+        raise
+    if fs.exists(listing):
+        fs.rm(listing)  # the older mirror is no longer claimed complete
+    _rm_prefix(fs, dst)
+    for rel in files:
+        fs.mv(f"{tmp}/{rel}", f"{dst}/{rel}")
+    _rm_prefix(fs, tmp)
+    fs.pipe_file(listing, "".join(f"{sha}  {name}/{rel}\n" for rel, sha in sums.items()).encode())
+    return dst
+
+# %% ../../nbs/09c_persist_export.ipynb #d1438f3f
+def mirror_url(src, url: str, sums: dict | None = None) -> str:
+    "Mirror folder `src` to `url` through fsspec, every file read back from there; the URL."
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = mirror_fs(url)
+    if isinstance(fs, LocalFileSystem):  # a mounted path: a folder renamed into place
+        mirror_folder(src, path, sums)
+    else:
+        mirror_objects(src, fs, path, sums)
+    return url
+
+# %% ../../nbs/09c_persist_export.ipynb #092d4a80
+def verify_mirror(url) -> dict:
+    "The SHA-256s of the mirror at `url` (a folder or URL), every file read back; an error when incomplete or changed."
+    url = str(url).rstrip("/")
+    fs, path = mirror_fs(url) if "://" in url else (None, url)
+    listing = f"{path}.sha256"
+    text = fs.cat_file(listing).decode() if fs and fs.isfile(listing) else None
+    if fs is None and Path(listing).is_file():
+        text = Path(listing).read_text()
+    if text is None:
+        raise CheckpointError(f"mirror {url}: no {Path(listing).name} beside it: an incomplete copy; mirror it again")
+    sums = {ln.split("  ", 1)[1].split("/", 1)[1]: ln.split("  ", 1)[0] for ln in text.splitlines() if ln}
+    return read_back_objects(fs, path, sums) if fs else read_back(path, sums)

@@ -25,7 +25,7 @@ from fastcore.script import CliError
 from ..cli import EXIT_FAILED, EXIT_OK, command, refuse
 from ..config.load import ModelConfig
 from ..data.codecs import SPECIALS, ByteCodec, byte_alphabet, special_token
-from .export import CARD_FILE, CHAT_TEMPLATE_FILE, export_dir, load, mirror_export
+from .export import CARD_FILE, CHAT_TEMPLATE_FILE, export_dir, load, mirror_export, mirror_fs
 from .files import MARKER, CheckpointError, install_dir, is_complete
 from .runlock import RunLock
 
@@ -378,7 +378,7 @@ def mirror_exports(dest: str, paths: list, run_name: str) -> int:
     try:
         for p in paths:
             m = mirror_export(p, dest, run_name)
-            print(f"cipher-export: {p} mirrored to {m}, every file read back (SHA-256s in {m.name}.sha256 beside it)")
+            print(f"cipher-export: {p} mirrored to {m}, every file read back (SHA-256s in {m}.sha256)")
     except CheckpointError as e:
         print(f"cipher-export: {e}", file=sys.stderr)
         return EXIT_FAILED
@@ -394,17 +394,20 @@ def cipher_export(
     out: str = None,  # the folder to write
     format: str = "hf",  # hf: a transformers checkpoint and tokenizer (AutoModelForCausalLM.from_pretrained(out))
     force: bool = False,  # replace a non-empty OUT's contents (never a checkpoint, an export or a folder holding one)
-    mirror: str = None,  # persistent storage: the export (and OUT) copied to MIRROR/<run>/, every file read back
+    mirror: str = None,  # persistent storage, a folder or a URL (s3://, gs://, hf://): MIRROR/<run>/, read back
 ):
-    """Write a cipher_nb export in another format and/or mirror it: `cipher-export RUN [OUT] [--mirror DIR]`.
+    """Write a cipher_nb export in another format and/or mirror it: `cipher-export RUN [OUT] [--mirror DEST]`.
     Exit codes: 0 written (and mirrored, every file read back), 1 the written checkpoint or a mirrored file failed
-    its check (the local export is kept), 2 bad input or OUT refused (nothing written)."""
+    its check (the local export is kept), 2 bad input, OUT refused or DEST's scheme not installed (nothing written)."""
     if format not in FORMATS:
         refuse(cipher_export, f"--format {format!r} unknown: choose one of {', '.join(FORMATS)}")
     if not (out or mirror):
-        refuse(cipher_export, "give OUT (the transformers checkpoint to write), --mirror DIR, or both")
+        refuse(cipher_export, "give OUT (the transformers checkpoint to write), --mirror DEST, or both")
     if mirror and "://" in mirror:
-        refuse(cipher_export, f"--mirror {mirror}: a URL; give a mounted path (a bucket mounted with s3fs or gcsfuse)")
+        try:
+            mirror_fs(mirror)  # a scheme with no filesystem installed is refused before anything is written
+        except ValueError as e:
+            refuse(cipher_export, e)
     arch = None
     try:
         src = export_dir(run)
