@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole release chain on one node, from a preset and nothing else: the tokenizer (a token-level preset's), the
+# The whole release chain on one node, from a preset and nothing else: its hub sources pinned to their commits (a copy
+# of the preset in runs/$RUN_NAME-pinned/, read by every later step), the tokenizer (a token-level preset's), the
 # shards, the plan, pretraining to the preset's horizon, refinement (one pass, from pretraining's final/), SFT (the
 # training-stage guide's schedule, from refinement's final/), each stage run by train_node.sh (preflight, then
 # cipher-train under torchrun), then the evaluation of the SFT export and its mirror to $PERSIST. The gate checks
@@ -16,7 +17,8 @@
 # resumes. A stop signal to the group ends the chain with 0 once the running step has stopped (a stage saves first).
 # Environment: PERSIST (required), NPROC (GPUs, 8), RUN_NAME (<preset>-<date>), RUNS (runs), PRETRAIN_ARGS,
 # REFINE_ARGS, SFT_ARGS, MC (a multiple-choice jsonl for cipher-eval), EVAL_DOCS (held-out documents, 32), PLAN_ARGS
-# (cipher-plan's, e.g. --gpu h200), PREFLIGHT_ARGS, DRY_RUN=1 (print the commands only).
+# (cipher-plan's, e.g. --gpu h200), PREFLIGHT_ARGS, PIN_API=1 (pin a hub source the local cache lacks by asking the
+# Hub), DRY_RUN=1 (print the commands only).
 source "$(dirname "$0")/common.sh"
 CONFIG="${1:?give a preset, e.g. examples/configs/h100.yaml}"; shift
 need PERSIST "the persistent volume for checkpoints, tokenizer, shards and the released export"
@@ -24,10 +26,10 @@ NPROC="${NPROC:-8}"
 RUN_NAME="${RUN_NAME:-$(basename "$CONFIG" .yaml)-$(date +%Y%m%d-%H%M%S)}"
 RUNS="${RUNS:-runs}"
 
-stop() {  # stop NAME CODE: the chain ends at step NAME with its exit code (anything but 2 or 3 is a failure, 1)
+stop() {  # stop NAME CODE [HINT]: the chain ends at step NAME with its exit code (anything but 2 or 3 is a failure, 1)
   local code="$2"
   case "$code" in 2 | 3) ;; *) code=1 ;; esac
-  echo "chain: step '$1' failed (exit $2): stopped, exit $code; the stages before it are kept in $RUNS/$RUN_NAME-*" >&2
+  echo "chain: step '$1' failed (exit $2${3:+: $3}): stopped, exit $code; the stages before it are kept in $RUNS/$RUN_NAME-*" >&2
   exit "$code"
 }
 # A stop signal (a scheduler's, Ctrl-C) sent to the group reaches the running step too, which stops cleanly (a stage
@@ -56,6 +58,10 @@ stage() {  # stage NAME ARGS...: train one stage with train_node.sh into $RUNS/$
 }
 
 SETTINGS=("$@")
+# first: the tokenizer and the shards are made from the data every stage reads
+echo "== chain: pin" >&2
+CONFIG="$(pinned_preset "$CONFIG" "$RUNS/$RUN_NAME-pinned" "$@")" \
+  || stop pin $? "the pin reads the local hub cache; PIN_API=1 asks the Hub for a source it lacks"
 echo "== chain: tokenizer" >&2
 TOKENIZER="$(tokenizer_setting "$CONFIG" "$PERSIST" "$@")" || stop tokenizer $?
 if [ -n "$TOKENIZER" ]; then SETTINGS+=("$TOKENIZER"); fi

@@ -10,6 +10,23 @@ resume_source() {
   if [ -n "${DRY_RUN:-}" ]; then run "$PY" "$HERE/resume_from.py" "$@" >&2; echo auto
   else "$PY" "$HERE/resume_from.py" "$@"; fi
 }
+# A preset whose hub sources are not all pinned to a commit (after the overrides $3...): print the path of its copy
+# pinned to the commits the local hub cache resolved them to (`cipher-data pin`), written once into the folder $2 under
+# the preset's own name (so its tokenizer and shards keep their names); a relaunch finds the copy and pins nothing
+# again, so every stage of a run reads the same data. PIN_API=1 asks the Hub for a source the cache lacks; without it
+# such a source fails the pin, one line and exit 2. Any other preset: its own path. A dry run prints the pin and goes
+# on with the preset as given.
+pinned_preset() {
+  local config="$1" dir="$2"; shift 2
+  "$PY" -c 'import sys; from cipher_nb.config.load import load_config; from cipher_nb.data.sources import is_commit, source_specs
+specs = source_specs(load_config(sys.argv[1], sys.argv[2:]).data).values()
+sys.exit(0 if any(s.source == "hub" and not is_commit(s.revision) for s in specs) else 1)' "$config" "$@" \
+    || { echo "$config"; return 0; }
+  local out="$dir/$(basename "$config")"
+  if [ -n "${DRY_RUN:-}" ]; then run cipher-data pin "$config" --out "$out" ${PIN_API:+--api} >&2; echo "$config"; return; fi
+  [ -f "$out" ] || { mkdir -p "$dir" && cipher-data pin "$config" --out "$out" ${PIN_API:+--api} >&2; } || return
+  echo "$out"
+}
 # A token-level preset with no data.tokenizer: print the data.tokenizer=... setting of its tokenizer, trained once on
 # the preset's own data into $2/tokenizers (every node of a job can run this: the file is written whole, then renamed).
 tokenizer_setting() {

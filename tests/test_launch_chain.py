@@ -229,7 +229,15 @@ def test_the_spider_presets_chain_as_launched_reads_its_curriculum_from_shards()
     assert r.returncode == 0, r.stderr[-3000:]
     cmds = [shlex.split(line) for line in (r.stdout + r.stderr).splitlines() if line.strip() and "==" not in line]
     runs = [c for c in cmds if c[0] == "torchrun"]
+    pin = [
+        "cipher-data",
+        "pin",
+        "examples/configs/flexitokens-h100.yaml",
+        "--out",
+        "runs/a-pinned/flexitokens-h100.yaml",
+    ]
     prep = next(c for c in cmds if c[:2] == ["cipher-data", "prepare"])
+    assert cmds.index(pin) < cmds.index(prep)  # its six hub sources pinned before anything reads them
     assert prep[prep.index("--out") + 1] == "/mnt/p/shards/flexitokens-h100" and len(runs) == 3
     stages = [c[c.index("cipher-train") + 2 : c.index("--out")] for c in runs]
     for settings in stages:  # every source of the curriculum read from the one prepared directory
@@ -284,3 +292,58 @@ def test_a_stop_signal_ends_the_chain_after_the_stage_saves(h100, tmp_path):
     assert p.returncode == 0, err[-3000:]
     assert "chain: stopped by SIGTERM during 'pretrain'" in err and "stopped cleanly" in err, err[-3000:]
     assert not (tmp_path / "runs/h-pretrain/final").exists() and not (tmp_path / "runs/h-refinement").exists()
+
+
+SPIDER_HUB = [
+    "HuggingFaceFW/fineweb-edu",
+    "HuggingFaceFW/fineweb-2",
+    "codeparrot/codeparrot-clean",
+    "HuggingFaceTB/finemath",
+]
+
+
+def hub_cache(folder: Path, paths=SPIDER_HUB) -> dict:
+    "A local hub cache holding `main` of each dataset of `paths` (no files, the refs only): {path: its commit}."
+    commits = {}
+    for i, path in enumerate(paths):
+        commits[path] = f"{i + 1:x}" * 40
+        ref = folder / f"datasets--{path.replace('/', '--')}/refs/main"
+        ref.parent.mkdir(parents=True)
+        ref.write_text(commits[path])
+    return commits
+
+
+def test_the_chain_pins_the_spider_presets_hub_sources_from_the_local_cache(tmp_path):
+    "Its six hub sources pinned into runs/a-pinned/, and the steps after it read that copy; stopped before training."
+    commits = hub_cache(tmp_path / "hub")
+    env = dict(RUN_NAME="a", HF_HUB_CACHE=str(tmp_path / "hub"), SHARDS="0", PLAN_ARGS="--gpu none")
+    r = chain(tmp_path, "flexitokens-h100", **env)  # cipher-plan refuses the GPU: the chain stops before training
+    assert r.returncode == 2 and "chain: step 'memory plan' failed (exit 2)" in r.stderr, r.stderr[-3000:]
+    pinned = tmp_path / "runs/a-pinned/flexitokens-h100.yaml"
+    sources = yaml.safe_load(pinned.read_text())["data"]["sources"]
+    assert {n: s["revision"] for n, s in sources.items()} == {n: commits[s["path"]] for n, s in sources.items()}
+    shown = yaml.safe_load(r.stdout.split("\n# ")[0])["data"]["sources"]  # cipher-config's plan reads the copy
+    assert {n: s["revision"] for n, s in shown.items()} == {n: s["revision"] for n, s in sources.items()}
+    shutil.rmtree(tmp_path / "hub")  # a relaunch pins nothing again: the copy is kept, whatever the cache holds now
+    assert chain(tmp_path, "flexitokens-h100", **env).returncode == 2 and pinned.read_text().count(
+        commits[SPIDER_HUB[0]]
+    )
+
+
+def test_a_hub_source_not_in_the_cache_stops_the_chain_at_the_pin_with_exit_2(tmp_path):
+    "No cached commit and no PIN_API=1: the pin's one line, the chain's, exit 2, nothing written."
+    hub_cache(tmp_path / "hub", SPIDER_HUB[:1])  # one dataset of four cached
+    r = chain(tmp_path, "flexitokens-h100", RUN_NAME="a", HF_HUB_CACHE=str(tmp_path / "hub"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = [line for line in r.stderr.splitlines() if not line.startswith("== chain")]
+    assert len(err) == 2 and "is not in the local cache" in err[0] and "PIN_API=1" in err[1], err
+    assert "chain: step 'pin' failed (exit 2" in err[1]
+    assert not (tmp_path / "runs/a-pinned/flexitokens-h100.yaml").exists() and not (tmp_path / "persist").exists()
+
+
+def test_a_preset_with_no_unpinned_hub_source_is_read_as_given():
+    "The h100 preset over local files: the pin step prints the preset itself and writes nothing."
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PY": sys.executable, "OMP_NUM_THREADS": "1"}
+    script = 'source launch/common.sh; pinned_preset "$0" "$@"'
+    r = run_cli("bash", "-c", script, "examples/configs/h100.yaml", "/nonexistent", "data.source=files", env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "examples/configs/h100.yaml", r.stderr[-3000:]
