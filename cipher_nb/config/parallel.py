@@ -19,7 +19,6 @@ def expert_parallel_rules(cfg, world_size: int = 0) -> list:
         (moe.n_routed % deg == 0, f"{key} must divide model.moe.n_routed ({moe.n_routed}): choose a divisor of it"),
         (moe.kind == "routed", f"{key}: shared-projection experts (model.moe.kind) are not split; set it to 1"),
         (cfg.optim.name != "adamw8bit", f"{key}: adamw8bit's state cannot be split by expert; use adamw or muon"),
-        (cfg.optim.ema == 0, f"{key} with optim.ema: not yet (the average is not split); set optim.ema=0"),
         (
             not world_size or world_size % deg == 0,
             f"{key} must divide the number of ranks ({world_size}): launch a multiple of it with torchrun",

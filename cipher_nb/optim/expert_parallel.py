@@ -6,7 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/optim_expert_parallel.html.md"""
 
 # %% auto #0
 __all__ = ['ep_groups', 'expert_range', 'exchange', 'received_experts', 'ExpertParallelExperts', 'optimizer_states',
-           'ExpertParallel', 'full_layout', 'ep_mesh', 'to_whole', 'to_own', 'shard_experts', 'optimizer_layout']
+           'ExpertParallel', 'full_layout', 'ep_mesh', 'to_whole', 'to_own', 'shard_experts', 'optimizer_layout',
+           'average_layout']
 
 # %% ../../nbs/08ab_optim_expert_parallel.ipynb #0b5bcc06
 from contextlib import contextmanager, nullcontext
@@ -277,3 +278,16 @@ def optimizer_layout(model: nn.Module, osd: dict, whole: bool) -> dict:
     fn = to_whole if whole else to_own
     state = {k: {n: fn(split, v) for n, v in s.items()} if k in split.names else s for k, s in osd["state"].items()}
     return {**osd, "state": state}
+
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #5cfef7b0
+def average_layout(model: nn.Module, weights: dict, whole: bool) -> dict:
+    "A weight average's tensors (by name) with the split experts' whole, as a checkpoint holds them, or this rank's."
+    split = getattr(getattr(model, "module", model), "expert_parallel", None)
+    if split is None:
+        return weights
+    lo, hi = expert_range(split.n_experts, split.degree, split.rank % split.degree)
+    if split.sharded:  # FSDP2: the same shards as pieces of the whole tensor
+        fn = partial(to_whole if whole else to_own, split)
+    else:  # DDP: gathered over the group (every rank calls it), or this rank's rows of a whole tensor
+        fn = split.gather if whole else lambda w: w[lo:hi]
+    return {n: fn(w) if n in split.names else w for n, w in weights.items()}
