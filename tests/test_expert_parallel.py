@@ -1,6 +1,6 @@
 """Expert parallelism (`training.expert_parallel`) on two gloo ranks: the dispatch with a rank whose experts receive no
 token, degree 2 trains as the 2-rank data-parallel run does, a save at one degree resumes at the other, and the
-refusals of what it does not support yet."""
+refusals of what it does not support yet; with a weight average (`optim.ema`), final/ holds the data-parallel run's."""
 
 import json
 import shutil
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import ROOT, SMALL_MODEL, run_cli, run_in_process
+from conftest import ROOT, SMALL_MODEL, run_cli, run_in_process, weights
 
 from cipher_nb.config.load import ConfigError, load_config
 from cipher_nb.model.moe import RoutedExperts
@@ -109,6 +109,10 @@ WORKER = textwrap.dedent("""
     run("ep_to_ddp", 1, resume=str(out / "ep/checkpoints/step_0000003"))
     # with checkpointing too: the recomputed forward exchanges its rows again, on every rank alike
     run("ddp_to_ep", 2, str(out / "ddp/checkpoints/step_0000003"), "training.activation_checkpoint=full")
+    # optim.ema: each rank averages its share of the experts; final/ holds the whole average, as data parallelism's
+    run("ddp_ema", 1, None, "optim.ema=0.9")
+    run("ep_ema", 2, None, "optim.ema=0.9")
+    run("ep_ema_to_ddp", 1, str(out / "ep_ema/checkpoints/step_0000003"), "optim.ema=0.9")  # the average saved whole
     dist.barrier()
     os._exit(0)  # no interpreter teardown: gloo's threads at shutdown sometimes abort a rank after the work passed
 """)
@@ -148,6 +152,12 @@ def test_degree_two_trains_as_data_parallel_and_resumes_at_the_other_degree(tmp_
         assert want[what].keys() == got[what].keys()
         for n, t in want[what].items():
             assert (got[what][n] - t).norm() <= 1e-4 * t.norm(), (what, n)  # relative, over the whole tensor
+    ema = {n: weights(tmp_path / n / "final") for n in ("ddp_ema", "ep_ema", "ep_ema_to_ddp")}
+    for n in ("ep_ema", "ep_ema_to_ddp"):
+        assert ema[n].keys() == ema["ddp_ema"].keys()
+        for k, t in ema["ddp_ema"].items():
+            torch.testing.assert_close(ema[n][k], t, rtol=1e-5, atol=1e-5, msg=f"{n} {k}")
+    assert not torch.equal(ema["ddp_ema"]["layers.0.ffn.experts.w_up"], want["weights"]["layers.0.ffn.experts.w_up"])
     layout = json.loads((tmp_path / "ep/record.json").read_text())["kernels"]["expert_parallel"]
     assert (layout["degree"], layout["groups"], layout["share"]) == (2, [[0, 1]], 0.5)
     assert layout["ranks"] == [dict(rank=0, experts=[0, 2]), dict(rank=1, experts=[2, 4])]

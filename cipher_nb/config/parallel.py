@@ -10,7 +10,7 @@ __all__ = ['expert_parallel_rules']
 # %% ../../nbs/00d_config_parallel.ipynb #4194b6f4
 def expert_parallel_rules(cfg, world_size: int = 0) -> list:
     "(holds, message) for each rule of `training.expert_parallel`; with the run's `world_size`, the ranks' rule too."
-    t, moe, deg = cfg.training, cfg.model.moe, cfg.training.expert_parallel
+    moe, deg = cfg.model.moe, cfg.training.expert_parallel
     if deg == 1:
         return []
     key = f"training.expert_parallel = {deg}"
@@ -18,9 +18,7 @@ def expert_parallel_rules(cfg, world_size: int = 0) -> list:
         (cfg.model.n_moe_layers > 0, f"{key}, but the model has no MoE layer to split: set it to 1"),
         (moe.n_routed % deg == 0, f"{key} must divide model.moe.n_routed ({moe.n_routed}): choose a divisor of it"),
         (moe.kind == "routed", f"{key}: shared-projection experts (model.moe.kind) are not split; set it to 1"),
-        (not t.compile, f"{key} with training.compile: not yet (the dispatch breaks the graph); set compile=false"),
         (cfg.optim.name != "adamw8bit", f"{key}: adamw8bit's state cannot be split by expert; use adamw or muon"),
-        (cfg.optim.ema == 0, f"{key} with optim.ema: not yet (the average is not split); set optim.ema=0"),
         (
             not world_size or world_size % deg == 0,
             f"{key} must divide the number of ranks ({world_size}): launch a multiple of it with torchrun",

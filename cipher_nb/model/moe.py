@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..config.load import ModelConfig, MoEKernel
 from .context import layer_key
@@ -159,7 +160,8 @@ def dispatch_plan(
     asg[row] = order
     slot = torch.empty_like(row)
     slot[order] = row
-    return DispatchPlan(counts, asg, (asg // k).clamp_max(N - 1), slot, offs, capacity or 0, k)
+    capacity = 0 if capacity is None else capacity  # not `or`: a compiled capacity may be a size known at run time
+    return DispatchPlan(counts, asg, (asg // k).clamp_max(N - 1), slot, offs, capacity, k)
 
 # %% ../../nbs/05_model_moe.ipynb #299883b0
 def sum_token_rows(rows, p: DispatchPlan, by_gather: bool = True):
@@ -328,7 +330,8 @@ class RoutedExperts(nn.Module):
         by_gather = x.device.type != "cpu"
         g = _RowGates.apply(gates.flatten(), p)[:, None]  # [rows, 1], 0 on padding rows
         xs = _Dispatch.apply(x, p, by_gather)  # [rows, d]
-        if idx.numel() >= FUSED_GATE_UP_ROWS * E:
+        # a row count known only at run time (split experts, compiled) takes two products: no guard on it
+        if guard_or_false(idx.numel() >= FUSED_GATE_UP_ROWS * E):
             a, b = mm(xs, torch.cat([wg, wu], 1)).chunk(2, -1)  # gate and up in one product
         else:
             a, b = mm(xs, wg), mm(xs, wu)  # [rows, hidden] each, no copy of the weights

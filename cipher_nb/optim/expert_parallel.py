@@ -6,7 +6,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/optim_expert_parallel.html.md"""
 
 # %% auto #0
 __all__ = ['ep_groups', 'expert_range', 'exchange', 'received_experts', 'ExpertParallelExperts', 'optimizer_states',
-           'ExpertParallel', 'full_layout', 'ep_mesh', 'to_whole', 'to_own', 'shard_experts', 'optimizer_layout']
+           'ExpertParallel', 'full_layout', 'ep_mesh', 'to_whole', 'to_own', 'shard_experts', 'optimizer_layout',
+           'average_layout']
 
 # %% ../../nbs/08ab_optim_expert_parallel.ipynb #0b5bcc06
 from contextlib import contextmanager, nullcontext
@@ -14,6 +15,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -35,23 +37,8 @@ def expert_range(n_experts: int, degree: int, ep_rank: int) -> tuple:
 
 # %% ../../nbs/08ab_optim_expert_parallel.ipynb #a4defaed
 def exchange(x, send=None, recv=None, group=None):
-    "`dist.all_to_all_single` into a new tensor: `send[i]` rows of `x` to rank i, `recv[i]` rows from it (None: equal)."
-    out = x.new_empty(x.shape[0] if recv is None else sum(recv), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    "`exchange` with autograd: the backward sends each received row's gradient back to its sender."
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return exchange(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return exchange(g, ctx.recv, ctx.send, ctx.group), None, None, None
+    "`send[i]` rows of `x` to rank i, `recv[i]` rows from it (None: equal parts); differentiable, traced when compiled."
+    return funcol.all_to_all_single(x.contiguous(), recv, send, group or dist.group.WORLD)
 
 # %% ../../nbs/08ab_optim_expert_parallel.ipynb #82460a2b
 def received_experts(recv_counts, rows: int):
@@ -70,6 +57,7 @@ class ExpertParallelExperts(nn.Module):
         lo, hi = expert_range(self.n_experts, degree, ep_rank)
         for name in ("w_gate", "w_up", "w_down"):  # the unsplit module's names: state-dict keys do not change
             setattr(self, name, nn.Parameter(getattr(experts, name).detach()[lo:hi].clone()))
+        torch._dynamo.config.capture_scalar_outputs = True  # compiled: the split sizes stay in the graph (no break)
 
     def forward(self, x, idx, gates, impl: str = "bmm", counts=None):
         "x [N,d], idx and gates [N,k] -> [N,d]: each assignment computed on its expert's rank, combined here."
@@ -79,12 +67,13 @@ class ExpertParallelExperts(nn.Module):
         recv_counts = exchange(counts, group=self.group).view(self.degree, -1)  # [sources, local experts]
         send, recv = torch.stack([counts.view(self.degree, -1).sum(1), recv_counts.sum(1)]).tolist()  # host sync
         xs = x.to(compute_dtype(x)).index_select(0, order // k)  # [N*k, d], in `order`
-        rows = _AllToAll.apply(xs, send, recv, self.group)  # [R, d] this rank's experts' rows
-        if rows.shape[0]:  # the local experts, ungated: the gates are applied where the token lives
+        rows = exchange(xs, send, recv, self.group)  # [R, d] this rank's experts' rows
+        # the local experts, ungated (the gates are applied where the token lives); compiled, also on zero rows
+        if torch.compiler.is_compiling() or rows.shape[0]:
             local = received_experts(recv_counts, rows.shape[0])[:, None]  # [R, 1]
             ones = torch.ones(local.shape, dtype=rows.dtype, device=rows.device)
             rows = RoutedExperts.forward(self, rows, local, ones, impl, recv_counts.sum(0))
-        back = _AllToAll.apply(rows, recv, send, self.group)  # [N*k, d] in `order`
+        back = exchange(rows, recv, send, self.group)  # [N*k, d] in `order`
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         y = back.index_select(0, inverse).view(N, k, -1)  # [N, k, d] each token's choices in place
         return (y * gates.to(y.dtype)[..., None]).sum(1)
@@ -289,3 +278,16 @@ def optimizer_layout(model: nn.Module, osd: dict, whole: bool) -> dict:
     fn = to_whole if whole else to_own
     state = {k: {n: fn(split, v) for n, v in s.items()} if k in split.names else s for k, s in osd["state"].items()}
     return {**osd, "state": state}
+
+# %% ../../nbs/08ab_optim_expert_parallel.ipynb #5cfef7b0
+def average_layout(model: nn.Module, weights: dict, whole: bool) -> dict:
+    "A weight average's tensors (by name) with the split experts' whole, as a checkpoint holds them, or this rank's."
+    split = getattr(getattr(model, "module", model), "expert_parallel", None)
+    if split is None:
+        return weights
+    lo, hi = expert_range(split.n_experts, split.degree, split.rank % split.degree)
+    if split.sharded:  # FSDP2: the same shards as pieces of the whole tensor
+        fn = partial(to_whole if whole else to_own, split)
+    else:  # DDP: gathered over the group (every rank calls it), or this rank's rows of a whole tensor
+        fn = split.gather if whole else lambda w: w[lo:hi]
+    return {n: fn(w) if n in split.names else w for n, w in weights.items()}

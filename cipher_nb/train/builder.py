@@ -55,7 +55,7 @@ from ..model.roles import params_with_role
 from ..monitor.health import LOADS_FILE, MonitorCallback, Utilization
 from ..monitor.metrics import GPUUtilization, device_peak_flops, heldout_metrics
 from ..optim.ema import WeightAverage, averaged_eval, weight_average
-from ..optim.expert_parallel import full_layout
+from ..optim.expert_parallel import average_layout, full_layout
 from ..optim.optimizers import build_optimizer, optimizer_kind
 from ..optim.precision import convert_or_fall_back, detect_precision
 from cipher_nb.persist.checkpointer import (
@@ -108,7 +108,7 @@ class RunCheckpoints:
             tokens=trainer.tokens,
             data_state=self.loader.state_dict(),
             trainer=trainer.state_dict(),
-            **({} if self.average is None else {"ema": self.average.ema_state()}),
+            **({} if self.average is None else {"ema": self.ema_state(trainer.raw_model)}),
         )
         meta = self.describe(
             step=trainer.step,
@@ -139,9 +139,15 @@ class RunCheckpoints:
         final = self.checkpointer.root.parent / "final"  # RUN/final, beside RUN/checkpoints
         if "step" not in trainer.export_meta:  # final/'s meta says it holds the average (best/'s says so of its own)
             meta.update(self.averaged())
-        with full_layout(trainer.raw_model), self.published(trainer, trainer.raw_model):  # every expert, every rank
+        # the average put in first: a split expert's is this rank's share, which the full layout then gathers
+        with self.published(trainer, trainer.raw_model), full_layout(trainer.raw_model):  # every expert, every rank
             model = self.export_model(trainer.raw_model)
             return export_model(model, final, config=meta["config"], codec=self.codec, meta=meta)
+
+    def ema_state(self, model: nn.Module) -> dict:
+        "The average's checkpoint entry, split experts in the whole layout (`optim.expert_parallel`)."
+        state = self.average.ema_state()
+        return {**state, "weights": average_layout(model, state["weights"], whole=True)}
 
     def averaged(self) -> dict:
         "What the meta of best/ and final/ says of the average they hold (nothing without one)."
@@ -471,13 +477,14 @@ def restore_average(average: WeightAverage | None, model: nn.Module, path: Path)
     "Continue the weight average a checkpoint kept (read into this run's shards); without one, start it afresh."
     if average is None:
         return
-    template = dict(ema=average.ema_state())  # under FSDP2 DCP reads each rank's shards into these tensors
+    state = average.ema_state()  # under FSDP2 DCP reads each rank's shards into its tensors; split experts whole
+    template = dict(ema={**state, "weights": average_layout(model, state["weights"], whole=True)})
     kept = ck.load_checkpoint(path, template=template, keys=("ema",)).get("ema")
     if kept is None:
         average.reset(model)  # the restored weights: a checkpoint of a run without optim.ema
         warnings.warn(f"{path} kept no weight average: optim.ema's average starts at its weights")
     else:
-        average.load_ema_state(kept)
+        average.load_ema_state({**kept, "weights": average_layout(model, kept["weights"], whole=False)})
 
 
 def record_elastic(trainer: Trainer, elastic: dict):
