@@ -1,7 +1,9 @@
 """torch.compile of a transformer block holding an MoE (CPU, float32, the tiny-cpu preset's widths): the compiled
 block equals the eager one forward and backward, compiles to one graph with no break in training as in evaluation, and
 does not recompile after its first call with the same shapes, not even when an expert gets no token; so does the block
-of every compiled token-level preset at CPU-sized widths, with or without activation checkpointing. The counts for
+of every compiled token-level preset at CPU-sized widths, with or without activation checkpointing. The byte preset's
+segment count, which changes with the text, is a marked dynamic dimension of its main blocks: new counts recompile
+nothing, break nothing and give the eager losses. The counts for
 balancing leave the graph as an output: a checkpointed forward's recomputation hands none back. The kernels the layers
 took are noted by the block before its (checkpointed) forward, so the compiled forward holds no side effect."""
 
@@ -15,11 +17,12 @@ import torch.nn as nn
 import yaml
 from conftest import ROOT
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 
 from cipher_nb.config.load import ModelConfig, load_config
-from cipher_nb.model.lm import Block, rope_frequencies, rope_tables
+from cipher_nb.model.lm import Block, CipherModel, rope_frequencies, rope_tables
 from cipher_nb.model.moe import MoE, moe_kernels_used, update_moe_biases
-from cipher_nb.optim.parallel import AC_MODES, apply_ac, compile_count, kernels_in_use
+from cipher_nb.optim.parallel import AC_MODES, apply_ac, apply_compile, compile_count, kernels_in_use
 from cipher_nb.train.builder import MoEBalancing
 
 CFG = ModelConfig()  # the tiny-cpu preset
@@ -221,3 +224,37 @@ def test_load_counted_once_with_checkpointing():
         balance.after_forward(None, SimpleNamespace(stats=stats))
         y.sum().backward()
         assert torch.equal(balance.load["expert_counts"], want), name
+
+
+def test_byte_preset_segments_compile_without_recompiles(monkeypatch):
+    """The byte preset at CPU size, checkpointed whole as flexitokens-h100 is and compiled by `apply_compile`: four
+    training steps with four segment counts compile in the first step only, one graph per kind of block (the byte
+    blocks over T bytes, the dense first layer and the MoE layers over a dynamic S), with no graph break, and give
+    the eager model's losses."""
+    cfg = load_config(ROOT / "examples/configs/flexitokens-cpu.yaml", ["training.seq_len=64", "training.device=cpu"])
+    torch.manual_seed(0)
+    eager = CipherModel(cfg.model).train()
+    comp = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")  # the graphs, not codegen
+    compile_ = nn.Module.compile
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_(self, backend=counter, **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    apply_compile(apply_ac(comp, "full"))
+    seen, frames = [], []
+    comp.hourglass.boundary.register_forward_hook(lambda mod, args, seg: seen.append(seg.n_segments))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, comp)]
+    for step in range(4):
+        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m, opt in zip((eager, comp), opts):
+            torch.manual_seed(step)  # the same boundary noise for both
+            out = m(ids, labels=ids)
+            losses.append(out.loss + sum(out.aux.values()))
+            losses[-1].backward()
+            opt.step()
+            opt.zero_grad()
+        frames.append(counter.frame_count)
+        torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-5)
+    assert len(set(seen)) == 4, seen
+    assert frames == [3] * 4 and not counters["graph_break"], (frames, dict(counters["graph_break"]))

@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/model_boundary.html.md"""
 # %% auto #0
 __all__ = ['BP_MODES', 'CAUSAL_BP_MODES', 'check_bp_mode', 'logistic_noise', 'straight_through', 'Segments', 'segments_from_hard',
            'score_quantile', 'BoundaryPredictor', 'downsample', 'segment_mask', 'upsample', 'binomial_nll', 'bp_loss',
-           'boundary_stats', 'ByteHourglass', 'set_bp_trainable']
+           'boundary_stats', 'mark_segment_dim', 'ByteHourglass', 'set_bp_trainable']
 
 # %% ../../nbs/04_model_boundary.ipynb #6b881f97
 import math
@@ -62,7 +62,7 @@ class Segments:
     n_seg: torch.Tensor  # [B] long: segments per sequence (the last may be unfinished)
     seg_doc: torch.Tensor  # [B, S] long: the document of each segment, -1 for padding
     doc_ids: torch.Tensor  # [B, T] long
-    n_segments: int  # S = max segments in the batch
+    n_segments: int  # S = max segments in the batch, at least 2
     mode: str
 
     @property
@@ -93,7 +93,7 @@ def segments_from_hard(
     before = hard.cumsum(1) - hard  # exact integers in value
     seg_ids = before.detach().round().long()
     n_seg = seg_ids[:, -1] + 1
-    S = int(n_seg.max())  # one host sync per forward
+    S = max(2, int(n_seg.max()))  # one host sync per forward; never 1, a size dynamo would specialise
     seg_doc = doc_ids.new_full((B, S), -1).scatter_(1, seg_ids, doc_ids)
     return Segments(
         logits=logits,
@@ -258,6 +258,16 @@ def boundary_stats(seg: Segments) -> dict:
         "bp/compression": hard.new_tensor(hard.shape[1] / seg.n_segments),
     }
 
+# %% ../../nbs/04_model_boundary.ipynb #b4d6f8a2
+def mark_segment_dim(seg_h: torch.Tensor, ctx: Context, T: int):
+    "Mark the segment dimension of the main stack's inputs (states, rotary tables, dense mask) dynamic in [2, T]."
+    if torch.compiler.is_compiling():  # marks are for the inputs of compiled regions, not for tensors inside one
+        return
+    dense = getattr(ctx.mask, "dense", None)  # sdpa's [B or 1, 1, S, S]; flex's block mask is not a tensor
+    for t, dims in ((seg_h, (1,)), (ctx.cos, (1,)), (ctx.sin, (1,)), (dense, (2, 3))):
+        for d in dims if t is not None else ():
+            torch._dynamo.mark_dynamic(t, d, min=2, max=max(2, T))
+
 # %% ../../nbs/04_model_boundary.ipynb #660d94eb
 class ByteHourglass(nn.Module):
     "Bytes -> segments -> bytes around an inner stack: byte blocks, boundaries, pooling, the stack, upsampling, blocks."
@@ -273,7 +283,9 @@ class ByteHourglass(nn.Module):
         "Byte states x [B, T, D] through the hourglass; `inner(seg_h [B, S, D], at_segments(ctx, seg))` in its waist."
         x = run_blocks(self.byte_in, x, ctx)
         seg = self.boundary(x, doc_ids=ctx.doc_ids, mode=mode)
-        seg_out = inner(downsample(x, seg)[0], at_segments(ctx, seg))
+        seg_h, seg_ctx = downsample(x, seg)[0], at_segments(ctx, seg)
+        mark_segment_dim(seg_h, seg_ctx, x.shape[1])
+        seg_out = inner(seg_h, seg_ctx)
         x = run_blocks(self.byte_out, x + upsample(seg_out, seg, self.boundary.null), ctx)
         ctx.aux["bp"] = bp_loss(seg, self.cfg)
         ctx.stats.update(boundary_stats(seg))
