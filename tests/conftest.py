@@ -13,19 +13,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# the smallest run the viz and launch tests draw: a top-1 MoE on 64-byte windows
-TINY = [
+# a two-layer model of width 32 with four routed experts: the tests' smallest model (add the rest per test)
+WIDTH_32 = [
     "model.d_model=32",
+    "model.n_layers=2",
     "model.attention.n_heads=2",
     "model.attention.n_kv_heads=1",
     "model.attention.head_dim=16",
-    "model.n_layers=2",
     "model.moe.n_routed=4",
-    "model.moe.top_k=1",
     "model.moe.expert_d_ff=32",
-    "training.seq_len=64",
-    "training.batch_size=2",
 ]
+
+# the smallest run the viz and launch tests draw: a top-1 MoE on 64-byte windows
+TINY = [*WIDTH_32, "model.moe.top_k=1", "training.seq_len=64", "training.batch_size=2"]
 
 # a model small enough for a process-level test to train in seconds
 SMALL_MODEL = [

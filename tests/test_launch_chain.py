@@ -11,24 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, WIDTH_32, run_cli
 
 from cipher_nb.data.corpora import mock_docs
 
 # the h100 preset at CPU size: a 320-id tokenizer, a top-1 MoE of width 32, 64-token windows, no compile
-H100 = [
-    "model.vocab=320",
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.attention.n_heads=2",
-    "model.attention.n_kv_heads=1",
-    "model.attention.head_dim=16",
-    "model.moe.n_routed=4",
-    "model.moe.n_shared=1",
-    "model.moe.top_k=1",
-    "model.moe.expert_d_ff=32",
-    "model.moe.n_pop_a=0",
-]
+H100 = [*WIDTH_32, "model.vocab=320", "model.moe.n_shared=1", "model.moe.top_k=1", "model.moe.n_pop_a=0"]
 CPU = [
     "training.seq_len=64",
     "training.batch_size=4",

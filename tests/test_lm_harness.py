@@ -7,6 +7,7 @@ import sys
 import warnings
 
 import pytest
+from conftest import WIDTH_32
 from fastcore.script import CliError
 
 from cipher_nb.config.load import load_config
@@ -14,13 +15,7 @@ from cipher_nb.eval.harness import cipher_eval, load_mc
 from cipher_nb.train.builder import build_trainer
 
 SMALL = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.attention.n_heads=2",
-    "model.attention.n_kv_heads=1",
-    "model.attention.head_dim=16",
-    "model.moe.n_routed=4",
-    "model.moe.expert_d_ff=32",
+    *WIDTH_32,
     "training.seq_len=64",
     "training.batch_size=4",
     "schedule.max_steps=30",

@@ -10,22 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, WIDTH_32, run_cli
 
 from cipher_nb.config.load import load_config
 from cipher_nb.model.lm import CipherModel
 from cipher_nb.optim.parallel import AC_MODES, apply_ac, apply_compile, compile_count, model_blocks
 from cipher_nb.train.builder import build_trainer
 
-TINY = [
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.attention.n_heads=2",
-    "model.attention.n_kv_heads=1",
-    "model.attention.head_dim=16",
-    "model.moe.n_routed=4",
-    "model.moe.expert_d_ff=32",
-]
+TINY = WIDTH_32
 RECURRENT = [
     *TINY,
     "model.n_layers=3",
