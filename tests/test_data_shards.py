@@ -47,6 +47,15 @@ def small(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def two_small(tmp_path_factory):
+    "Two sources of 256 one-byte documents, Latin and Cyrillic, prepared into one directory as a curriculum is."
+    out = tmp_path_factory.mktemp("small") / "two"
+    over = [f"data.sources.{s}.{k}={v}" for s in ("latin", "cyrillic") for k, v in (("source", "mock"), ("path", s))]
+    prepare_shards(load_config(None, ["data.max_bytes=1", *over]).data, out, procs=1, progress=False)
+    return out
+
+
 def test_heldout_bpb_is_the_same_from_shards_and_on_the_fly(prepared):
     fly = load_config(None, [*TINY, *MOCK])
     shards = load_config(None, [*TINY, "data.source=shards", f"data.path={prepared}"])
@@ -251,14 +260,18 @@ def test_the_replay_plan_continues_on_another_number_of_ranks(prepared):
         global_batches(prepared, 4, 1, 1, 1, state)
 
 
-def test_a_run_resumed_on_fewer_ranks_continues_the_global_batches(small, tmp_path, monkeypatch):
+def test_a_curriculum_resumed_on_fewer_ranks_continues_the_global_batches(two_small, tmp_path, monkeypatch):
     "2 gloo ranks (torchrun) save at step 2; resumed on 1 rank, grad_accum 2: steps 3-4 read an unbroken run's windows."
     from conftest import run_cli, script
 
     from cipher_nb.data.loader import Loader
     from cipher_nb.persist.checkpointer import RESEED_RULE
 
-    run = [*TINY, "data.source=shards", f"data.path={small}", "data.max_bytes=1", "schedule.max_steps=4"]
+    # a curriculum of two prepared sources: Latin alone for the first half, then both (the Spider preset's shape)
+    phases = "data.phases=[{until: 0.5, mix: {latin: 1}}, {until: 1.0, mix: {latin: 0.5, cyrillic: 0.5}}]"
+    run = [*TINY, *(f"data.sources.{s}.source=shards" for s in ("latin", "cyrillic")), phases]
+    run += [f"data.sources.{s}.path={two_small}" for s in ("latin", "cyrillic")]
+    run += ["data.max_bytes=1", "schedule.max_steps=4"]
     run += [
         "schedule.warmup_steps=1",
         "training.log_every=1",
@@ -286,6 +299,10 @@ def test_a_run_resumed_on_fewer_ranks_continues_the_global_batches(small, tmp_pa
         assert res.code == 0, res.err[-2000:]
         windows[name] = list(draws)
     assert len(windows["one"]) == 8 and windows["resumed"] == windows["one"][4:]  # 2 micro-batches x 2 windows a step
+    cyrillic = [
+        any(i in (0xD0, 0xD1) for row in mb for i in row) for mb in windows["one"]
+    ]  # UTF-8's Cyrillic lead bytes
+    assert not any(cyrillic[:4]) and any(cyrillic[4:]), cyrillic  # the first phase reads Latin only, the second both
     losses = {n: [row["loss"] for row in rows(tmp_path / n) if "loss" in row] for n in ("two", "one", "resumed")}
     assert losses["two"] == pytest.approx(losses["one"], rel=1e-4)  # the same global batches, summed in another order
     assert losses["resumed"] == pytest.approx(losses["one"][2:], rel=1e-4)  # and the weights and optimizer carried over

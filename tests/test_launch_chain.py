@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, WIDTH_32, run_cli
+from conftest import ROOT, WIDTH_32, run_cli, stop_once_saved
 
 from cipher_nb.data.corpora import mock_docs
 
@@ -153,6 +153,7 @@ def test_spider_chain_prepares_its_curriculum_as_shards_and_runs_every_stage(tmp
         data += [f"data.sources.{name}.{k}" for k in ("source=files", f"path={folder}", "subset=")]
     sft = f"{SFT} sft.data={sft_file(tmp_path / 'sft.jsonl')}"
     pretrain = "schedule.target_tokens=8192 schedule.warmup_steps=2 schedule.lr=3e-3"  # its token target, shrunk
+    pretrain += " training.log_every=2"  # 8 rows for the gate's trends, not 2 (its routers barely move in 16 steps)
     env = dict(RUN_NAME="s", PRETRAIN_ARGS=pretrain, SFT_ARGS=sft)
     r = chain(tmp_path, "flexitokens-h100", *SPIDER, *CPU, "training.seq_len=128", *data, **env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -242,10 +243,6 @@ def test_the_spider_presets_chain_as_launched_reads_its_curriculum_from_shards()
 
 def test_a_stop_signal_ends_the_chain_after_the_stage_saves(h100, tmp_path):
     "SIGTERM to the chain's process group during pretraining: the stage saves and stops, the chain ends there with 0."
-    import signal
-    import subprocess
-    import time
-
     d, _ = h100
     for kept in ("tokenizers", "shards"):
         shutil.copytree(d / f"persist/{kept}", tmp_path / f"persist/{kept}")
@@ -264,20 +261,8 @@ def test_a_stop_signal_ends_the_chain_after_the_stage_saves(h100, tmp_path):
         "CUDA_VISIBLE_DEVICES": "",
     }
     cmd = ["bash", str(ROOT / "launch/chain.sh"), "examples/configs/h100.yaml", *H100, *CPU, *data]
-    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)  # fmt: skip
-    try:
-        first = tmp_path / "runs/h-pretrain/checkpoints/step_0000003/COMPLETE"
-        for _ in range(1200):  # training, past its first checkpoint
-            if first.exists() or p.poll() is not None:
-                break
-            time.sleep(0.1)
-        os.killpg(p.pid, signal.SIGTERM)
-        err = p.communicate(timeout=120)[1]
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode == 0, err[-3000:]
+    code, err = stop_once_saved(cmd, env, tmp_path / "runs/h-pretrain/checkpoints/step_0000003/COMPLETE")
+    assert code == 0, err[-3000:]
     assert "chain: stopped by SIGTERM during 'pretrain'" in err and "stopped cleanly" in err, err[-3000:]
     assert not (tmp_path / "runs/h-pretrain/final").exists() and not (tmp_path / "runs/h-refinement").exists()
 

@@ -20,6 +20,7 @@ from ..core import dist_env
 from .codecs import ByteCodec, build_codec
 from .documents import PIECE_BYTES, doc_size, iter_pieces
 from cipher_nb.data.shards import (
+    MixPlan,
     ReplayPlan,
     ShardStream,
     check_prepared_for,
@@ -359,11 +360,10 @@ class Packer:
                 self._pieces = None
 
 # %% ../../nbs/02b_data_loader.ipynb #e3529149
-def planned(data: DataConfig, split: str, epochs=None) -> bool:
-    "Whether `split` is read through a `ReplayPlan`: the endless training split of one prepared source, no phases."
-    specs = split_sources(data, split)[0]
-    one = len(specs) == 1 and next(iter(specs.values())).source == "shards"
-    return split == "train" and epochs is None and not data.phases and one
+def planned(data: DataConfig, split: str, epochs=None, fixed_horizon: bool = True) -> bool:
+    "Whether `split` is read through replay plans: the endless training split of prepared sources, phases if fixed."
+    shards = all(s.source == "shards" for s in split_sources(data, split)[0].values())
+    return split == "train" and epochs is None and shards and (fixed_horizon or not data.phases)
 
 # %% ../../nbs/02b_data_loader.ipynb #56fc501d
 def plan_state(batches: int) -> dict:
@@ -372,30 +372,42 @@ def plan_state(batches: int) -> dict:
 
 # %% ../../nbs/02b_data_loader.ipynb #99827c97
 class PlanReader:
-    "One loader worker's micro-batches of one rank, read from the replay plan; `state()` / `restore()` as a `Packer`'s."
+    "One loader worker's micro-batches of one rank, read from replay plans; `state()` / `restore()` as a `Packer`'s."
 
-    def __init__(self, data, training, rank=0, world_size=1, worker=0, n_workers=1, block=1):
-        spec = next(iter(split_sources(data, "train")[0].values()))
-        self.plan = ReplayPlan(spec.path, training.seed, spec.name)
+    def __init__(self, data, training, rank=0, world_size=1, worker=0, n_workers=1, block=1, phases=None):
+        # phases: the curriculum's [(end step, {source: weight})] over a fixed horizon; None: every source alike
+        specs = split_sources(data, "train")[0]
+        phases = phases or [(0, {n: 1.0 for n in specs})]
+        used = [n for n in specs if any(mix.get(n, 0) > 0 for _, mix in phases)]
+        self.plans = {n: ReplayPlan(specs[n].path, training.seed, specs[n].name) for n in used}
+        mean = {n: p.epoch_tokens / len(p.lengths) for n, p in self.plans.items()}
         self.B, self.T, self.grad_accum, self.doc_mask = (
             training.batch_size,
             training.seq_len,
             training.grad_accum,
             data.doc_mask,
         )
+        self.mix = MixPlan(phases, mean, world_size * self.B * self.grad_accum, training.seed)
         self.rank, self.world_size, self.worker, self.n_workers, self.block = rank, world_size, worker, n_workers, block
         self.st = dict(batches=0)
 
     def micro_batch(self, k: int) -> dict:
-        "This rank's micro-batch `k` (numpy arrays): `batch_size` consecutive windows of the plan."
+        "This rank's micro-batch `k` (numpy arrays): its `batch_size` rows of the step, each a window of its source."
         step, micro = divmod(k, self.grad_accum)
-        first = plan_window(step, micro, self.rank, self.world_size, self.B, self.grad_accum)
-        n = self.B * self.T
-        ids, docs = self.plan.read(first * self.T, n + 1)  # windows overlap by one id: their targets
-        out = dict(input_ids=ids[:n].reshape(self.B, self.T), labels=ids[1:].reshape(self.B, self.T).copy())
+        j = plan_window(step, micro, self.rank, self.world_size, self.B, self.grad_accum) - step * self.mix.rows
+        src, win = (a[j : j + self.B] for a in self.mix.rows_of(step))
+        ids, docs = np.empty((self.B, self.T + 1), np.int64), np.empty((self.B, self.T + 1), np.int64)
+        r = 0
+        while r < self.B:  # rows of one source reading consecutive windows: one read (one source: the whole batch)
+            e = r + 1
+            while e < self.B and src[e] == src[r] and win[e] == win[e - 1] + 1:
+                e += 1
+            a, d = self.plans[self.mix.names[src[r]]].read(int(win[r]) * self.T, (e - r) * self.T + 1)
+            idx = np.arange(e - r)[:, None] * self.T + np.arange(self.T + 1)  # windows overlap by one id: targets
+            ids[r:e], docs[r:e], r = a[idx], d[idx], e
+        out = dict(input_ids=ids[:, :-1].copy(), labels=ids[:, 1:].copy())
         if self.doc_mask:
-            d = docs[:n].reshape(self.B, self.T)
-            out["doc_ids"] = d - d[:, :1]
+            out["doc_ids"] = docs[:, :-1] - docs[:, :1]
         return out
 
     def next_batch(self) -> dict:
@@ -440,9 +452,9 @@ class _Readers(torch.utils.data.IterableDataset):
                 return
 
 # %% ../../nbs/02b_data_loader.ipynb #4799eff1
-def _make_packer(data, training, split, rank, world_size, n_workers, mix, epochs, block, w):
-    if planned(data, split, epochs):
-        return PlanReader(data, training, rank, world_size, w, n_workers, block)
+def _make_packer(data, training, split, rank, world_size, n_workers, mix, phases, epochs, block, w):
+    if planned(data, split, epochs, phases is not None or not data.phases):
+        return PlanReader(data, training, rank, world_size, w, n_workers, block, phases)
     return Packer(data, training, split, rank, world_size, w, n_workers, mix=mix, epochs=epochs, block=block)
 
 # %% ../../nbs/02b_data_loader.ipynb #e24244b0
@@ -465,16 +477,20 @@ class Loader:
         mix=None,
         epochs=None,
         pin_memory: bool = False,
+        phases=None,
     ):
+        # mix: step -> the next document's source weights (a packer's); phases: the same as [(end step, weights)] laid
+        # out over a fixed horizon, for replay plans (None: a horizon that moves, or no phases)
         if split not in ("train", "heldout"):
             raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
         self.data, self.training, self.split, self.rank, self.world_size = data, training, split, rank, world_size
         self.n_workers = max(1, data.num_workers)
         self.block = WORKER_BLOCK if data.num_workers else 1
         self.pin_memory = pin_memory  # off by default: pinning small batches one at a time slows the loader down
-        self.planned = planned(data, split, epochs)  # read through a replay plan: resumable on another world size
+        self.planned = planned(data, split, epochs, phases is not None or not data.phases)  # resumable elsewhere
+        self.phases = [[int(e), dict(m)] for e, m in phases] if phases and data.phases else None
         self._make = functools.partial(
-            _make_packer, data, training, split, rank, world_size, self.n_workers, mix, epochs, self.block
+            _make_packer, data, training, split, rank, world_size, self.n_workers, mix, phases, epochs, self.block
         )
         self.k, self.states = (
             0,
@@ -486,9 +502,8 @@ class Loader:
         t = self.training
         if self.planned:  # what fixes the windows of a global step; the world size and accumulation only slice them
             rows = self.world_size * t.batch_size * t.grad_accum
-            return dict(
-                plan="shards", global_rows=rows, seq_len=t.seq_len, world_size=self.world_size, grad_accum=t.grad_accum
-            )
+            lay = dict(plan="shards", global_rows=rows, seq_len=t.seq_len, world_size=self.world_size)
+            return dict(lay, grad_accum=t.grad_accum, **({"phases": self.phases} if self.phases else {}))
         return dict(
             batch_size=t.batch_size,
             seq_len=t.seq_len,
@@ -574,8 +589,9 @@ class Loader:
         for key, what in (
             ("global_rows", "global batch of windows (ranks x micro-batch x accumulation)"),
             ("seq_len", "seq_len"),
+            ("phases", "curriculum (phase ends in steps and mixtures)"),
         ):
-            if saved[key] != now[key]:
+            if saved.get(key) != now.get(key):
                 raise ValueError(
                     f"the data loader state was saved with a {what} of {saved[key]}, this run's is {now[key]}: "
                     "a replay plan continues on another number of ranks only with the same global batch and seq_len"
@@ -599,8 +615,10 @@ def mixture_loader(
     mix=None,
     epochs: int = None,
     pin_memory: bool = False,
+    phases=None,
 ) -> Loader:
     "The batches of `split` ('train' repeats forever, 'heldout' is finite) for this rank, sources drawn from `mix`."
+    # phases: `mix` as [(end step, weights)] over a fixed horizon: prepared sources are then read through replay plans
     # vocab: the model's (`model.vocab`), which the codec's ids must fit in
     env = dist_env()
     rank = env.rank if rank is None else rank
@@ -622,7 +640,7 @@ def mixture_loader(
     verify_prepared(data)  # every prepared shard, before the first step
     if split == "train":
         check_trainable(data)  # a source with nothing to train on: refused now, not an endless first step
-    return Loader(data, training, split, rank, world_size, mix=mix, epochs=epochs, pin_memory=pin_memory)
+    return Loader(data, training, split, rank, world_size, mix, epochs, pin_memory, phases)
 
 # %% ../../nbs/02b_data_loader.ipynb #1afdcc07
 def documents_in(batches, codec=None) -> list:

@@ -7,7 +7,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/data_shards.html.md"""
 # %% auto #0
 __all__ = ['MANIFEST', 'FORMAT', 'SHARD_KEYS', 'shard_dtype', 'document_ids', 'encode_shard', 'manifest_gaps', 'read_manifest',
            'shard_file', 'shard_sizes', 'file_sha256', 'open_shard', 'check_shard', 'verify_shards',
-           'check_prepared_for', 'ShardStream', 'ReplayPlan', 'plan_window']
+           'check_prepared_for', 'ShardStream', 'ReplayPlan', 'plan_window', 'window_shares', 'apportion', 'MixPlan']
 
 # %% ../../nbs/02ab_data_shards.ipynb #0ed1c47a
 import functools
@@ -259,3 +259,72 @@ def plan_window(step: int, micro: int, rank: int, world_size: int, batch_size: i
     "The first window that rank `rank` reads at accumulation micro-step `micro` of global step `step`."
     per_rank = batch_size * grad_accum
     return (step * world_size + rank) * per_rank + micro * batch_size
+
+# %% ../../nbs/02ab_data_shards.ipynb #594b0bde
+def window_shares(mix: dict, mean_tokens: dict) -> dict:
+    "A phase's document mixture as shares of windows: each weight times its source's mean document length, normalised."
+    w = {n: max(float(p), 0.0) * mean_tokens[n] for n, p in mix.items()}
+    total = sum(w.values())
+    return {n: v / total for n, v in w.items()}
+
+# %% ../../nbs/02ab_data_shards.ipynb #1d83fc91
+def apportion(shares: tuple, rows: int, steps: int) -> np.ndarray:
+    "[steps, sources] windows of each source at each step of `rows` windows; running totals within one of shares."
+    q, out = np.asarray(shares, np.float64), np.zeros((steps, len(shares)), np.int64)
+    got = np.zeros(len(shares), np.int64)
+    for s in range(steps):
+        owed = q * rows * (s + 1) - got  # what each source is owed by the end of this step; it sums to `rows`
+        n = np.floor(np.maximum(owed, 0)).astype(np.int64)
+        while n.sum() > rows:  # sources served ahead of their share leave the others more than `rows` in floors
+            n[np.argmin(np.where(n > 0, owed - n, np.inf))] -= 1
+        n[np.argsort(n - owed, kind="stable")[: rows - n.sum()]] += 1  # the largest remainders take the rest
+        out[s], got = n, got + n
+    return out
+
+# %% ../../nbs/02ab_data_shards.ipynb #a0696c64
+class MixPlan:
+    "Each row of every global step: its source and its window in that source's stream, from the curriculum's phases."
+
+    def __init__(self, phases: list, mean_tokens: dict, rows: int, seed: int):
+        # phases: [(end step, {source: document weight}), ...], ends increasing; the last phase runs on past its end
+        self.names = sorted(n for n in mean_tokens if any(mix.get(n, 0) > 0 for _, mix in phases))
+        self.rows, self.seed, self.ends = rows, seed, [int(e) for e, _ in phases]
+        self.starts = [0] + self.ends[:-1]
+        self.shares = [tuple(window_shares(mix, mean_tokens).get(n, 0.0) for n in self.names) for _, mix in phases]
+        self._cums = {}  # phase -> [steps + 1, sources] running totals from its first step
+        self.base = [np.zeros(len(self.names), np.int64)]  # each phase's first step's totals
+        for p in range(len(phases) - 1):
+            self.base.append(self.base[p] + self._cum(p, self.ends[p] - self.starts[p]))
+
+    def _cum(self, p: int, n: int) -> np.ndarray:
+        "[sources] windows of each source in phase `p`'s first `n` steps (the last phase's table grows as it is read)."
+        if len(self.names) == 1:
+            return np.array([self.rows * n])
+        if p not in self._cums or len(self._cums[p]) <= n:
+            have = len(self._cums.get(p, ())) - 1
+            steps = self.ends[p] - self.starts[p]
+            if p == len(self.ends) - 1:  # past the horizon: twice what was read, so that it grows in few steps
+                steps = max(n, 2 * have, steps)
+            a = apportion(self.shares[p], self.rows, steps)
+            self._cums[p] = np.concatenate([np.zeros((1, len(self.names)), np.int64), a.cumsum(0)])
+        return self._cums[p][n]
+
+    def phase(self, step: int) -> int:
+        "The phase `step` belongs to (the last one past the horizon)."
+        return min(int(np.searchsorted(self.ends, step, side="right")), len(self.ends) - 1)
+
+    def totals(self, step: int) -> np.ndarray:
+        "[sources] windows of each source read before global step `step`."
+        p = self.phase(step)
+        return self.base[p] + self._cum(p, step - self.starts[p])
+
+    def rows_of(self, step: int) -> tuple:
+        "(source index [rows], window in that source's stream [rows]) of global step `step`'s rows."
+        before, after = self.totals(step), self.totals(step + 1)
+        src = np.repeat(np.arange(len(self.names)), after - before)
+        if len(self.names) > 1:
+            src = np.random.default_rng(seed_of(self.seed, "mix", step)).permutation(src)
+        order = np.argsort(src, kind="stable")  # each source's rows in row order take its next windows in turn
+        win = np.empty(self.rows, np.int64)
+        win[order] = np.concatenate([before[i] + np.arange(after[i] - before[i]) for i in range(len(self.names))])
+        return src, win

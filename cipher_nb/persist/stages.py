@@ -26,7 +26,7 @@ from cipher_nb.config.load import (
     critical_dict,
     critical_diff,
 )
-from ..data.curriculum import build_loader
+from ..data.curriculum import build_loader, fixed_horizon
 from ..data.loader import planned
 from ..data.sources import has_heldout, pin_hint, unpinned_sources
 from .files import CheckpointError, ResumeError, StageError, dist_info, read_meta
@@ -55,14 +55,14 @@ def check_layout(meta: dict, saved: Config, cfg: Config, world_size: int) -> boo
     t0, t1 = saved.training, cfg.training
     if was == world_size and (t0.batch_size, t0.grad_accum) == (t1.batch_size, t1.grad_accum):
         return False
-    if not planned(cfg.data, "train"):
+    if not planned(cfg.data, "train", fixed_horizon=fixed_horizon(cfg.schedule)):
         if was == world_size:
             return False  # a changed micro-batch: the key listing below refuses it
         raise ResumeError(
             f"cannot resume {where} on {world_size} ranks (world_size): it was saved on {was}, and this run's data "
             "stream depends on the number of ranks (each packs its own share of the documents); only prepared "
-            "shards of one source (data.source=shards, no data.phases), read through the replay plan, continue on "
-            "another number of ranks"
+            "shards (every source a shards source; data.phases only over a step or token horizon, not a time "
+            "budget), read through replay plans, continue on another number of ranks"
         )
     rows, now = global_rows(t0, was or 0), global_rows(t1, world_size)
     if rows != now:
