@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 import warnings
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 
 import pytest
@@ -197,3 +197,34 @@ def deadline(seconds: int = 20):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def end_launch(p: subprocess.Popen):
+    "SIGKILL a launch script's process group and its torchrun's, which runs in a session of its own."
+    import psutil
+
+    inner = psutil.Process(p.pid).children(recursive=True)
+    os.killpg(p.pid, signal.SIGKILL)
+    for c in inner:
+        with suppress(psutil.NoSuchProcess):
+            c.kill()
+
+
+def stop_once_saved(cmd: list, env: dict, saved: Path) -> tuple:
+    """Start a launch script in a process group of its own, send the group SIGTERM once `saved` exists (a checkpoint's
+    COMPLETE marker: training is under way) or the script has ended, and return (exit code, stderr)."""
+    import time
+
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    try:
+        for _ in range(1200):  # at most two minutes to the first checkpoint
+            if saved.exists() or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        os.killpg(p.pid, signal.SIGTERM)
+        err = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            end_launch(p)
+    return p.returncode, err

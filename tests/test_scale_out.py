@@ -2,7 +2,6 @@
 a lost rank restarted by torchrun --max-restarts, the single-process supervisor (launch/supervise.sh), and
 background sharded (FSDP2) checkpoints. Every check compares against an uninterrupted run or a blocking save."""
 
-import contextlib
 import json
 import os
 import signal
@@ -10,13 +9,11 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-from conftest import ONE_THREAD, RESUME, RESUME_EVERY, ROOT, SMALL_MODEL, run_cli
+from conftest import ONE_THREAD, RESUME, RESUME_EVERY, ROOT, SMALL_MODEL, end_launch, run_cli, stop_once_saved
 
 BIN = Path(sys.executable).parent
 STEPS, EVERY = 6, 3  # the fault lands on the checkpoint half way
@@ -105,15 +102,6 @@ def two_nodes(shared: Path, job: str, *extra, fault_on_second: str = "", max_res
                 end_launch(p)
 
 
-def end_launch(p: subprocess.Popen):
-    "SIGKILL a launch script's process group and its torchrun's, which runs in a session of its own."
-    inner = psutil.Process(p.pid).children(recursive=True)
-    os.killpg(p.pid, signal.SIGKILL)
-    for c in inner:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            c.kill()
-
-
 def test_two_nodes_on_one_machine_end_like_one_launch(tmp_path, one_launch):
     """Two torchrun launches (--nnodes 2, c10d rendezvous on 127.0.0.1, one process each), saving in the background:
     the weights of one launch that saved blocking."""
@@ -148,22 +136,10 @@ def test_train_node_stopped_by_sigterm_exits_0(tmp_path):
     env = {**ENV, "NPROC": "1", "PERSIST": str(tmp_path / "persist"), "RUN_NAME": "stop", "OUT": str(tmp_path / "run")}
     env |= {"SHARDS": "0", "PREFLIGHT_ARGS": "--skip-gpu --skip-plan"}
     cmd = ["bash", str(ROOT / "launch/train_node.sh"), *RESUME, "schedule.max_steps=100000", "training.device=cpu"]
-    p = subprocess.Popen(
-        cmd, env={**os.environ, **env}, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        first = tmp_path / f"run/checkpoints/step_{RESUME_EVERY:07d}/COMPLETE"
-        for _ in range(1200):  # training, past its first checkpoint
-            if first.exists() or p.poll() is not None:
-                break
-            time.sleep(0.1)
-        os.killpg(p.pid, signal.SIGTERM)
-        err = p.communicate(timeout=120)[1]
-    finally:
-        if p.poll() is None:
-            end_launch(p)
-    assert p.returncode == 0, err[-3000:]
+    code, err = stop_once_saved(
+        cmd, {**os.environ, **env}, tmp_path / f"run/checkpoints/step_{RESUME_EVERY:07d}/COMPLETE"
+    )
+    assert code == 0, err[-3000:]
     assert err.count("SIGTERM received") == 1, err[-3000:]  # once: not from the group and again from torchrun
     assert "after SIGTERM, and the run stopped cleanly" in err and "resume with" in err, err[-3000:]
 
