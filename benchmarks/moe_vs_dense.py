@@ -4,6 +4,10 @@ budget's and recipe's verdict on the MoE - dense held-out bits per byte to `benc
     python benchmarks/moe_vs_dense.py benchmarks/results/2026-12-05-moe-vs-dense-90s-default.json \
         --recipe default --budget 90s --max-seeds 5
 
+The scaling sweep's compute multiplier (`benchmarks/scaling.py --out`.json) joins the same record:
+
+    python benchmarks/moe_vs_dense.py --scaling benchmarks/results/2026-12-05-scaling.json
+
 A record is keyed by (recipe, budget): adding one again replaces it, so the file holds each comparison's latest
 figures, with the command that made them. The verdict is recomputed from the runs by the one function every ablation
 uses (`cipher_nb.eval.verdict`): sequential when the comparison added seeds until decided (`--max-seeds`, the
@@ -46,19 +50,40 @@ def add_record(record: dict, recipe: str, budget: str, result: dict, max_seeds: 
     return {**record, "comparisons": sorted(rows + [entry], key=lambda r: (r["recipe"], r["budget"]))}
 
 
+def add_multiplier(record: dict, sweep: dict, command: str = "", when: str = "") -> dict:
+    "`record` with the sweep's compute multiplier at each budget (replacing an older one)."
+    if not sweep.get("multiplier"):
+        raise SystemExit("moe_vs_dense: this sweep result holds no multiplier (run benchmarks/scaling.py again)")
+    rows = [
+        dict(flops=m["C"], multiplier=m["multiplier"], low=m["lo_hi"][0], high=m["lo_hi"][1])
+        for m in sweep["multiplier"]
+    ]
+    entry = dict(date=when or date.today().isoformat(), command=command, sweep=sweep.get("sweep", ""), budgets=rows)
+    return {**record, "multiplier": entry}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("result", help="a benchmarks/quality.py --out .json holding 'moe' and 'dense' runs")
-    p.add_argument("--recipe", required=True, help="the recipe's name: default (tiny-cpu), 90s (tiny-cpu-90s), ...")
-    p.add_argument("--budget", required=True, help="the budget as quality.py was given it: 90s, 8m")
+    p.add_argument("result", nargs="?", help="a benchmarks/quality.py --out .json holding 'moe' and 'dense' runs")
+    p.add_argument("--recipe", help="the recipe's name: default (tiny-cpu), 90s (tiny-cpu-90s), ...")
+    p.add_argument("--budget", help="the budget as quality.py was given it: 90s, 8m")
+    p.add_argument("--scaling", help="a benchmarks/scaling.py --out .json: record its compute multiplier")
     p.add_argument("--max-seeds", type=int, default=0, help="the planned seeds of a --sequential run (0: not one)")
     p.add_argument("--out", default=str(RECORD), help="the record to update")
     a = p.parse_args()
+    if not (a.result or a.scaling) or (a.result and not (a.recipe and a.budget)):
+        p.error("give a quality.py result with --recipe and --budget, or --scaling SWEEP.json, or both")
     out = Path(a.out)
     record = json.loads(out.read_text()) if out.exists() else {}
-    record = add_record(record, a.recipe, a.budget, json.loads(Path(a.result).read_text()), a.max_seeds)
+    if a.result:
+        record = add_record(record, a.recipe, a.budget, json.loads(Path(a.result).read_text()), a.max_seeds)
+    if a.scaling:
+        sweep = json.loads(Path(a.scaling).read_text())
+        record = add_multiplier(record, sweep, f"python benchmarks/scaling.py --sweep {sweep.get('sweep', '')}")
     out.write_text(json.dumps(record, indent=1) + "\n")
-    for r in record["comparisons"]:
+    for m in record.get("multiplier", {}).get("budgets", []):
+        print(f"compute multiplier at {m['flops']:.3g} FLOPs: {m['multiplier']:.3g} [{m['low']:.3g}, {m['high']:.3g}]")
+    for r in record.get("comparisons", []):
         iv = f"[{r['low']:+.4f}, {r['high']:+.4f}]"
         print(f"{r['recipe']:>8} {r['budget']:>4}: MoE - dense {r['mean']:+.4f} {iv} over {r['seeds']}: {r['verdict']}")
 

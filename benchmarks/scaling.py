@@ -21,6 +21,7 @@ import torch
 from cipher_nb.eval.scaling import (
     FULL_SWEEP,
     SMALL_SWEEP,
+    compute_multiplier,
     crossing,
     fit_families,
     frontier,
@@ -97,7 +98,19 @@ def report(res: dict) -> str:
     lines += ["", table, "", f"Paired over the matched runs (each width and budget once, not seeds): {line}."]
     cross = res["crossing"]
     lines += ["", f"Crossing of the frontiers inside the fitted budgets: {f'{cross:.3g} FLOPs' if cross else 'none'}."]
+    if res.get("multiplier"):
+        lines += ["", "| FLOPs | compute multiplier [95%]: the dense FLOPs that reach the MoE's loss, over the MoE's |"]
+        lines += ["|---|---|"]
+        lines += [
+            f"| {m['C']:.3g} | {m['multiplier']:.3g} [{m['lo_hi'][0]:.3g}, {m['lo_hi'][1]:.3g}] |"
+            for m in res["multiplier"]
+        ]
     return "\n".join(lines)
+
+
+def multipliers(fits: dict, budgets: list) -> list:
+    "The MoE's compute multiplier over the dense family at each budget, with its paired bootstrap interval."
+    return [compute_multiplier(fits["dense"], fits["moe"], C) for C in budgets] if {"dense", "moe"} <= set(fits) else []
 
 
 def main():
@@ -129,6 +142,7 @@ def main():
         runs=rows + list(held.values()),
         frontier=frontier(fits, budgets + [10 * budgets[-1]]),
         crossing=crossing(fits[families[0]].law, fits[families[-1]].law, budgets[0], budgets[-1]),
+        multiplier=multipliers(fits, budgets + [10 * budgets[-1]]),
         cpu_seconds=round(time.process_time() - t0),
     )
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))

@@ -40,3 +40,11 @@ def test_a_record_replaces_its_older_self_and_keeps_the_others():
 def test_sequential_verdict_when_planned():
     r = mvd.moe_minus_dense(_runs([2.0, 2.1, 2.05], [2.1, 2.15, 2.12]), max_seeds=5)
     assert r["level"] > 0.95 and "stop" in r  # each look's share of the 5%
+
+
+def test_the_sweeps_multiplier_joins_the_record_beside_the_verdicts():
+    rec = mvd.add_record({}, "default", "90s", dict(runs=_runs([2.0, 2.1], [2.0, 2.2])))
+    sweep = dict(sweep="full", multiplier=[dict(C=1e11, multiplier=1.4, lo_hi=(0.9, 2.1))])
+    rec = mvd.add_multiplier(rec, sweep, "c", when="2026-12-05")
+    assert rec["multiplier"]["budgets"] == [dict(flops=1e11, multiplier=1.4, low=0.9, high=2.1)]
+    assert len(rec["comparisons"]) == 1 and rec["multiplier"]["sweep"] == "full"

@@ -57,3 +57,18 @@ def test_report_of_a_sweep_from_known_laws():
     assert "| moe/d96/C=1e+17 | 2.0000 [1.9000, 2.1000] | 2.0500 | +0.0500 | yes |" in text
     assert abs(res["laws"]["moe"]["E"][0] - 1.1) < 0.03 and res["laws"]["dense"]["residual_rms"] < 1e-3
     assert "Crossing of the frontiers inside the fitted budgets: none." in text
+
+
+def test_the_multiplier_of_a_law_moved_along_the_dense_frontier():
+    "A MoE law whose A and B are k^-gamma times the dense law's reaches at C what dense reaches at k C: multiplier k."
+    dense, k = Law(1.2, 40.0, 0.34, 60.0, 0.28), 2.5
+    s = k ** -(dense.alpha * dense.beta / (dense.alpha + dense.beta))
+    rows = rows_from({"dense": dense, "moe": Law(1.2, 40.0 * s, 0.34, 60.0 * s, 0.28)})
+    fits = fit_families(rows, boot=5)
+    ms = bench.multipliers(fits, [1e14, 1e16])
+    assert [round(m["multiplier"], 2) for m in ms] == [k, k] and all(
+        m["lo_hi"][0] <= k <= m["lo_hi"][1] + 1e-6 for m in ms
+    )
+    text = bench.report(dict(runs=rows, laws={}, predictions=[], frontier=[], crossing=None,
+                             multiplier=ms))  # fmt: skip
+    assert "| 1e+14 | 2.5 [" in text

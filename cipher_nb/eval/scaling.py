@@ -6,8 +6,9 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_scaling.html.md"""
 
 # %% auto #0
 __all__ = ['MIN_RUNS', 'EXPONENTS', 'FAMILIES', 'SMALL_SWEEP', 'FULL_SWEEP', 'Law', 'nonneg_lstsq', 'check_runs', 'fit_law',
-           'ScalingFit', 'fit_scaling', 'crossing', 'Sweep', 'width_overrides', 'sweep_runs', 'sweep_cost',
-           'check_cost', 'sweep_result', 'run_sweep', 'fit_families', 'frontier']
+           'ScalingFit', 'fit_scaling', 'crossing', 'equal_loss_compute', 'compute_multiplier', 'Sweep',
+           'width_overrides', 'sweep_runs', 'sweep_cost', 'check_cost', 'sweep_result', 'run_sweep', 'fit_families',
+           'frontier']
 
 # %% ../../nbs/12c_eval_scaling.ipynb #6834b3bd
 import dataclasses
@@ -169,6 +170,25 @@ def crossing(a: Law, b: Law, lo: float, hi: float):
         m = (x + y) / 2
         x, y = (m, y) if np.sign(gap(np.exp(m))) == s[flips[0]] else (x, m)
     return float(np.exp((x + y) / 2))
+
+# %% ../../nbs/12c_eval_scaling.ipynb #88f54c27
+def equal_loss_compute(law: Law, L: float, lo: float = 1.0, hi: float = 1e40) -> float:
+    "The compute at which `law`'s compute-optimal loss is `L` (inf when `L` is under its reach, lo when above)."
+    if not np.isfinite(L) or L <= law.optimal(hi)[2]:
+        return float("inf") if np.isfinite(L) else float("nan")
+    x, y = np.log(lo), np.log(hi)
+    for _ in range(200):  # the frontier falls with C: keep the bracket around L
+        m = (x + y) / 2
+        x, y = (m, y) if law.optimal(np.exp(m))[2] > L else (x, m)
+    return float(np.exp((x + y) / 2))
+
+
+def compute_multiplier(base: ScalingFit, other: ScalingFit, C: float, level: float = 0.95) -> dict:
+    "The compute `base` needs for `other`'s compute-optimal loss at C, over C; a paired bootstrap `level` interval."
+    m = equal_loss_compute(base.law, float(other.law.optimal(C)[2])) / C
+    boots = [equal_loss_compute(b, float(o.optimal(C)[2])) / C for b, o in zip(base.boots, other.boots)]
+    lo, hi = np.nanquantile(np.array(boots, float), [(1 - level) / 2, (1 + level) / 2])
+    return dict(C=float(C), multiplier=m, lo_hi=(float(lo), float(hi)))
 
 # %% ../../nbs/12c_eval_scaling.ipynb #43b2fa9c
 FAMILIES = {"dense": ["model.moe.n_routed=0"], "moe": []}
