@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import ROOT, WIDTH_32, run_cli, stop_once_saved
 
@@ -170,6 +171,9 @@ def test_spider_chain_prepares_its_curriculum_as_shards_and_runs_every_stage(tmp
     plan = rec["pretrain"]["schedule"]  # the token target buys 8,192 // (4 x 128) steps
     assert (plan["set_by"], plan["max_steps"]) == ("schedule.target_tokens = 8,192", 16)
     assert rec["refinement"]["schedule"]["set_by"] == "schedule.epochs = 1"  # one pass: each source's tokens once
+    # pretraining read its curriculum through the replay plans: resumable on another number of GPUs
+    (state,) = torch.load(runs / "s-pretrain/checkpoints/step_0000016/state.pt", weights_only=True)["data"]
+    assert state["layout"]["plan"] == "shards" and [e for e, _ in state["layout"]["phases"]] == [5, 8, 12, 15, 16]
     assert rec["sft"]["source_checkpoint"]["stage"] == "refinement"
     assert (tmp_path / "persist/s-sft/final.sha256").is_file() and "chain: done" in r.stderr
 
