@@ -452,8 +452,8 @@ class _Readers(torch.utils.data.IterableDataset):
                 return
 
 # %% ../../nbs/02b_data_loader.ipynb #4799eff1
-def _make_packer(data, training, split, rank, world_size, n_workers, mix, phases, epochs, block, w):
-    if planned(data, split, epochs, phases is not None or not data.phases):
+def _make_packer(data, training, split, rank, world_size, n_workers, mix, phases, epochs, block, plan, w):
+    if plan:  # the loader's `planned`
         return PlanReader(data, training, rank, world_size, w, n_workers, block, phases)
     return Packer(data, training, split, rank, world_size, w, n_workers, mix=mix, epochs=epochs, block=block)
 
@@ -489,9 +489,8 @@ class Loader:
         self.pin_memory = pin_memory  # off by default: pinning small batches one at a time slows the loader down
         self.planned = planned(data, split, epochs, phases is not None or not data.phases)  # resumable elsewhere
         self.phases = [[int(e), dict(m)] for e, m in phases] if phases and data.phases else None
-        self._make = functools.partial(
-            _make_packer, data, training, split, rank, world_size, self.n_workers, mix, phases, epochs, self.block
-        )
+        how = (mix, phases, epochs, self.block, self.planned)  # how each reader is made
+        self._make = functools.partial(_make_packer, data, training, split, rank, world_size, self.n_workers, *how)
         self.k, self.states = (
             0,
             [None] * self.n_workers,
@@ -593,8 +592,9 @@ class Loader:
         ):
             if saved.get(key) != now.get(key):
                 raise ValueError(
-                    f"the data loader state was saved with a {what} of {saved[key]}, this run's is {now[key]}: "
-                    "a replay plan continues on another number of ranks only with the same global batch and seq_len"
+                    f"the data loader state was saved with a {what} of {saved.get(key)}, this run's is {now.get(key)}: "
+                    "a replay plan continues on another number of ranks only with the same global batch, seq_len and "
+                    "curriculum"
                 )
         step, micro = divmod(int(sd["k"]), saved["grad_accum"])
         if micro and (saved["world_size"], saved["grad_accum"]) != (now["world_size"], now["grad_accum"]):
