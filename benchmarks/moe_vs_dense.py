@@ -6,7 +6,7 @@ budget's and recipe's verdict on the MoE - dense held-out bits per byte to `benc
 
 The scaling sweep's compute multiplier (`benchmarks/scaling.py --out`.json) joins the same record:
 
-    python benchmarks/moe_vs_dense.py --scaling benchmarks/results/2026-12-05-scaling.json
+    python benchmarks/moe_vs_dense.py --scaling benchmarks/results/2026-12-05-scaling-2.json
 
 A record is keyed by (recipe, budget): adding one again replaces it, so the file holds each comparison's latest
 figures, with the command that made them. The verdict is recomputed from the runs by the one function every ablation

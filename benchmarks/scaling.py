@@ -10,6 +10,7 @@ written to OUT.json before they train. Writes OUT.json (every run, each law, the
 """
 
 import argparse
+import dataclasses
 import json
 import time
 import warnings
@@ -120,9 +121,12 @@ def main():
     p.add_argument("--out", required=True, help="OUT.json, OUT.md and OUT.png are written")
     p.add_argument("--boot", type=int, default=200, help="bootstrap resamples of each fit")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lr-width", type=float, help="schedule.lr = LR_WIDTH / width (default: the sweep's own)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     sweep, root, out = SWEEPS[a.sweep], Path(a.root) / a.sweep, Path(a.out)
+    if a.lr_width is not None:
+        sweep = dataclasses.replace(sweep, lr_width=a.lr_width)
     t0 = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -329,5 +329,5 @@ FULL_SWEEP = Sweep(
     heldout=(160, 2e12),
     max_cpu_hours=1.0,
     overrides=["training.seq_len=64", "training.batch_size=8", "training.eval_batches=128"],
-    lr_width=0.2,
+    lr_width=0.128,  # 1e-3 at width 128, the tiny-cpu preset's tuned rate at its width
 )
