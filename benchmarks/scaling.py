@@ -52,17 +52,18 @@ def predictions(fits: dict, sweep) -> list:
 
 
 def matched(rows: list, a: str = "dense", b: str = "moe") -> tuple:
-    "The table of b - a at each width and budget both families ran, and the paired verdict over those pairs."
-    bpb = {(r["family"], r["width"], r["budget"]): r["bpb"] for r in rows if not r["heldout"]}
-    keys = sorted({(w, c) for f, w, c in bpb if f == a and (b, w, c) in bpb})
-    budgets = sorted({c for _, c in keys})
+    "The table of b - a at each width and budget both families ran (over its seeds), and the paired verdict over runs."
+    bpb = {(r["family"], r["width"], r["budget"], r.get("seed", 0)): r["bpb"] for r in rows if not r["heldout"]}
+    keys = sorted({k[1:] for k in bpb if k[0] == a and (b, *k[1:]) in bpb})  # (width, budget, seed)
+    diff = {k: bpb[(b, *k)] - bpb[(a, *k)] for k in keys}
+    budgets = sorted({c for _, c, _ in keys})
     lines = [
         "| width | " + " | ".join(f"{b} - {a} at {c:.0e}" for c in budgets) + " |",
         "|---" * (1 + len(budgets)) + "|",
     ]
-    for w in sorted({w for w, _ in keys}):
-        cells = [f"{bpb[(b, w, c)] - bpb[(a, w, c)]:+.4f}" if (w, c) in keys else "" for c in budgets]
-        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    for w in sorted({w for w, _, _ in keys}):
+        ds = [[d for (w2, c2, _), d in diff.items() if (w2, c2) == (w, c)] for c in budgets]
+        lines.append(f"| {w} | " + " | ".join(f"{np.mean(d):+.4f}" if d else "" for d in ds) + " |")
     v = paired_verdict([bpb[(a, *k)] for k in keys], [bpb[(b, *k)] for k in keys], (a, b))
     return "\n".join(lines), verdict_line(v).replace("seeds", "matched runs")
 
@@ -96,7 +97,8 @@ def report(res: dict) -> str:
             f"| {r['L']:.4f} [{r['L_lo_hi'][0]:.4f}, {r['L_lo_hi'][1]:.4f}] | x{r['L'] / first[r['C']]:.4f} |"
         )
     table, line = matched(res["runs"])
-    lines += ["", table, "", f"Paired over the matched runs (each width and budget once, not seeds): {line}."]
+    each = "each width, budget and seed; a cell above: the mean over seeds"
+    lines += ["", table, "", f"Paired over the matched runs ({each}): {line}."]
     cross = res["crossing"]
     lines += ["", f"Crossing of the frontiers inside the fitted budgets: {f'{cross:.3g} FLOPs' if cross else 'none'}."]
     if res.get("multiplier"):
@@ -122,11 +124,13 @@ def main():
     p.add_argument("--boot", type=int, default=200, help="bootstrap resamples of each fit")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr-width", type=float, help="schedule.lr = LR_WIDTH / width (default: the sweep's own)")
+    p.add_argument("--seeds", type=int, help="runs of each fitted point (default: the sweep's own, 1)")
+    p.add_argument("--max-cpu-hours", type=float, help="the sweep's cost cap (default: the sweep's own)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     sweep, root, out = SWEEPS[a.sweep], Path(a.root) / a.sweep, Path(a.out)
-    if a.lr_width is not None:
-        sweep = dataclasses.replace(sweep, lr_width=a.lr_width)
+    given = dict(lr_width=a.lr_width, seeds=a.seeds, max_cpu_hours=a.max_cpu_hours)
+    sweep = dataclasses.replace(sweep, **{k: v for k, v in given.items() if v is not None})
     t0 = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -72,3 +72,13 @@ def test_the_multiplier_of_a_law_moved_along_the_dense_frontier():
     text = bench.report(dict(runs=rows, laws={}, predictions=[], frontier=[], crossing=None,
                              multiplier=ms))  # fmt: skip
     assert "| 1e+14 | 2.5 [" in text
+
+
+def test_matched_runs_pair_each_seed_and_the_table_shows_their_mean():
+    rows = [
+        dict(family=f, width=16, budget=1e11, seed=s, heldout=False, bpb=v)
+        for f, s, v in [("dense", 0, 3.0), ("moe", 0, 2.9), ("dense", 1, 3.1), ("moe", 1, 3.3), ("moe", 2, 2.0)]
+    ]
+    table, line = bench.matched(rows)
+    assert table.splitlines()[2] == "| 16 | +0.0500 |"  # (-0.1 + 0.2) / 2; the MoE's seed 2 has no dense pair
+    assert "over 2 matched runs" in line and f"{(0.1 - 0.2) / 2:+.4f}" in line  # dense - moe, seed by seed

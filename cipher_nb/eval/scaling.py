@@ -208,6 +208,7 @@ class Sweep:
     max_cpu_hours: float = 1.0  # the estimated cost of the whole sweep must stay under this
     min_steps: int = 20  # a run with fewer steps is refused: its schedule would be all warmup and decay
     lr_width: float = 0.0  # schedule.lr = lr_width / width, min_lr a tenth of it; 0 = the config's at every width
+    seeds: int = 1  # runs of each fitted point, at training.seed 0 to seeds - 1 (the held-out point: seed 0)
 
 # %% ../../nbs/12c_eval_scaling.ipynb #dc9d9e96
 def width_overrides(width: int, n_heads: int) -> list:
@@ -218,13 +219,15 @@ def width_overrides(width: int, n_heads: int) -> list:
 
 # %% ../../nbs/12c_eval_scaling.ipynb #e21c74ad
 def sweep_runs(sweep: Sweep) -> list:
-    "Every run of `sweep` (the held-out one last): family, width, budget, N, steps, tokens, FLOPs, name, overrides."
+    "Every run of `sweep` (held-out ones last): family, width, budget, seed, N, steps, tokens, FLOPs, name, overrides."
     base = load_config(sweep.config, sweep.overrides)
-    plan = [(f, w, c, False) for f in sweep.families for w in sweep.widths for c in sweep.budgets]
-    plan += [(f, *sweep.heldout, True) for f in sweep.families]
+    fitted = [(f, w, c) for f in sweep.families for w in sweep.widths for c in sweep.budgets]
+    plan = [(*p, False, s) for p in fitted for s in range(sweep.seeds)]
+    plan += [(f, *sweep.heldout, True, 0) for f in sweep.families]
     runs = []
-    for family, width, budget, heldout in plan:
+    for family, width, budget, heldout, seed in plan:
         over = [*sweep.overrides, *sweep.families[family], *width_overrides(width, base.model.attention.n_heads)]
+        over += [f"training.seed={seed}"] if seed else []  # seed 0 keeps the config (and run) of a one-seed sweep
         if sweep.lr_width:
             over += [f"schedule.lr={sweep.lr_width / width:.4g}", f"schedule.min_lr={sweep.lr_width / width / 10:.4g}"]
         cfg = load_config(sweep.config, over)
@@ -245,11 +248,12 @@ def sweep_runs(sweep: Sweep) -> list:
                 width=width,
                 budget=budget,
                 heldout=heldout,
+                seed=seed,
                 N=fpt / 6,
                 steps=steps,
                 tokens=steps * per_step,
                 flops=fpt * steps * per_step,
-                name=f"{family}/d{width}/C={budget:.0e}",
+                name=f"{family}/d{width}/C={budget:.0e}" + (f"-seed{seed}" if seed else ""),
                 overrides=[*over, *plan_over],
             )
         )
