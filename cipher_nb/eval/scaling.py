@@ -208,7 +208,7 @@ class Sweep:
     max_cpu_hours: float = 1.0  # the estimated cost of the whole sweep must stay under this
     min_steps: int = 20  # a run with fewer steps is refused: its schedule would be all warmup and decay
     lr_width: float = 0.0  # schedule.lr = lr_width / width, min_lr a tenth of it; 0 = the config's at every width
-    seeds: int = 1  # runs of each fitted point, at training.seed 0 to seeds - 1 (the held-out point: seed 0)
+    seeds: int = 1  # runs of each fitted point, at the config's training.seed + 0 .. seeds - 1 (held out: + 0)
 
 # %% ../../nbs/12c_eval_scaling.ipynb #dc9d9e96
 def width_overrides(width: int, n_heads: int) -> list:
@@ -227,7 +227,7 @@ def sweep_runs(sweep: Sweep) -> list:
     runs = []
     for family, width, budget, heldout, seed in plan:
         over = [*sweep.overrides, *sweep.families[family], *width_overrides(width, base.model.attention.n_heads)]
-        over += [f"training.seed={seed}"] if seed else []  # seed 0 keeps the config (and run) of a one-seed sweep
+        over += [f"training.seed={base.training.seed + seed}"] if seed else []  # seed 0: the one-seed sweep's run
         if sweep.lr_width:
             over += [f"schedule.lr={sweep.lr_width / width:.4g}", f"schedule.min_lr={sweep.lr_width / width / 10:.4g}"]
         cfg = load_config(sweep.config, over)
