@@ -220,6 +220,8 @@ def width_overrides(width: int, n_heads: int) -> list:
 # %% ../../nbs/12c_eval_scaling.ipynb #e21c74ad
 def sweep_runs(sweep: Sweep) -> list:
     "Every run of `sweep` (held-out ones last): family, width, budget, seed, N, steps, tokens, FLOPs, name, overrides."
+    if sweep.seeds < 1:
+        raise ConfigError(f"a sweep's seeds is {sweep.seeds}: give every fitted point at least one run (seeds >= 1)")
     base = load_config(sweep.config, sweep.overrides)
     fitted = [(f, w, c) for f in sweep.families for w in sweep.widths for c in sweep.budgets]
     plan = [(*p, False, s) for p in fitted for s in range(sweep.seeds)]
