@@ -19,9 +19,11 @@ Contenders (all with the same shared experts, and the same loss `(y * g).sum()` 
   ours[grouped]+fused       gate and up as one product over the concatenated weights at any row count
   ours[grouped]+apart       gate and up as two products at any row count
   ours[grouped]+topk+fused  topk and always fused: the block as it was before these candidates
+  ours[grouped]+stored      gate and up stored as one [E, 2h, d] weight: one product, no per-step concatenation
   ours[bmm] forced          one batched product, every expert padded to the largest load
 """
 
+import copy
 import dataclasses
 import statistics
 import time
@@ -34,7 +36,16 @@ from fastcore.script import call_parse
 
 import cipher_nb.model.moe as moe_mod
 from cipher_nb.config.load import ModelConfig
-from cipher_nb.model.moe import MOE_IMPLS, MoE, SwiGLU, resolve_moe_impl
+from cipher_nb.model.moe import (
+    MOE_IMPLS,
+    MoE,
+    SwiGLU,
+    _Combine,
+    _Dispatch,
+    _RowGates,
+    expert_products,
+    resolve_moe_impl,
+)
 
 # name: (batch, seq, d_model, n_routed, top_k, expert_d_ff, n_shared)
 SHAPES = {
@@ -108,6 +119,8 @@ def check_same_function(device, dtype):
             with variant(topk, fused):
                 err = ((moe(x)[0].float() - ref).abs().max() / ref.abs().max()).item()
             assert err < tol, f"ours[{impl}] topk={topk} fused={fused}: relative error {err:.1e}"
+    err = ((stored(moe)(x)[0].float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < tol, f"ours[grouped]+stored: relative error {err:.1e}"
 
 
 @contextmanager
@@ -132,9 +145,34 @@ VARIANTS = {  # name suffix: (topk, fused)
 }
 
 
+class StoredGateUp(nn.Module):
+    "The routed experts with `w_gate` and `w_up` stored as one [E, 2h, d] weight (the grouped path only)."
+
+    def __init__(self, experts):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.cat([experts.w_gate.detach(), experts.w_up.detach()], 1))
+        self.w_down = nn.Parameter(experts.w_down.detach().clone())
+
+    def forward(self, x, idx, gates, impl="grouped", counts=None):
+        p, mm = expert_products(idx, self.w_down.shape[0], "grouped", counts)
+        by_gather = x.device.type != "cpu"
+        g = _RowGates.apply(gates.flatten().to(x.dtype), p)[:, None]
+        a, b = mm(_Dispatch.apply(x, p, by_gather), self.w_gate_up).chunk(2, -1)
+        return _Combine.apply(mm(F.silu(a) * b * g, self.w_down), p, by_gather)
+
+
+def stored(moe: MoE) -> MoE:
+    "A copy of `moe` on the grouped path whose routed experts are `StoredGateUp` (the same weights)."
+    m = copy.deepcopy(moe)
+    m.cfg = dataclasses.replace(m.cfg, moe=dataclasses.replace(m.cfg.moe, impl="grouped"))
+    m.experts = StoredGateUp(m.experts)
+    return m
+
+
 def candidates(cfg, device, dtype):
     "The CPU speed candidates: name -> (module, forward)."
-    out = {}
+    m = stored(MoE(cfg).to(device, dtype))
+    out = {"ours[grouped]+stored": (m, lambda x, m=m: _with_aux(m(x)))}
     for suffix, (topk, fused) in VARIANTS.items():
         m = MoE(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl="grouped"))).to(device, dtype)
 
