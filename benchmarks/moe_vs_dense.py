@@ -4,7 +4,8 @@ budget's and recipe's verdict on the MoE - dense held-out bits per byte to `benc
     python benchmarks/moe_vs_dense.py benchmarks/results/2026-12-05-moe-vs-dense-90s-default.json \
         --recipe default --budget 90s --max-seeds 5
 
-The scaling sweep's compute multiplier (`benchmarks/scaling.py --out`.json) joins the same record:
+The scaling sweep's compute multiplier (`benchmarks/scaling.py --out`.json) joins the same record, with the paired
+verdict over its matched runs (MoE - dense at each width, budget and seed: equal FLOPs, run by run):
 
     python benchmarks/moe_vs_dense.py --scaling benchmarks/results/2026-12-05-scaling-2.json
 
@@ -50,8 +51,24 @@ def add_record(record: dict, recipe: str, budget: str, result: dict, max_seeds: 
     return {**record, "comparisons": sorted(rows + [entry], key=lambda r: (r["recipe"], r["budget"]))}
 
 
+def matched_runs(runs: list) -> dict:
+    "The paired verdict on MoE - dense over a sweep's fitted runs that both families ran at one width, budget, seed."
+    bpb = {(r["family"], r["width"], r["budget"], r.get("seed", 0)): r["bpb"] for r in runs if not r["heldout"]}
+    keys = sorted(k[1:] for k in bpb if k[0] == "moe" and ("dense", *k[1:]) in bpb)
+    if not keys:
+        raise SystemExit("moe_vs_dense: this sweep holds no run that both 'moe' and 'dense' ran")
+    v = paired_verdict([bpb[("moe", *k)] for k in keys], [bpb[("dense", *k)] for k in keys], ("MoE", "dense"))
+    v = {k: x for k, x in v.items() if k != "seeds"}  # its pairs are runs, counted below
+    return {
+        **v,
+        "verdict": v["verdict"].replace("seeds", "matched runs"),
+        "runs": len(keys),
+        "sweep_seeds": len({k[2] for k in keys}),
+    }
+
+
 def add_multiplier(record: dict, sweep: dict, command: str = "", when: str = "") -> dict:
-    "`record` with the sweep's compute multiplier at each budget (replacing an older one)."
+    "`record` with the sweep's compute multiplier at each budget and its matched runs' verdict (replacing older ones)."
     if not sweep.get("multiplier"):
         raise SystemExit("moe_vs_dense: this sweep result holds no multiplier (run benchmarks/scaling.py again)")
     rows = [
@@ -59,6 +76,8 @@ def add_multiplier(record: dict, sweep: dict, command: str = "", when: str = "")
         for m in sweep["multiplier"]
     ]
     entry = dict(date=when or date.today().isoformat(), command=command, sweep=sweep.get("sweep", ""), budgets=rows)
+    if sweep.get("runs"):
+        entry["matched"] = matched_runs(sweep["runs"])
     return {**record, "multiplier": entry}
 
 
@@ -79,10 +98,17 @@ def main():
         record = add_record(record, a.recipe, a.budget, json.loads(Path(a.result).read_text()), a.max_seeds)
     if a.scaling:
         sweep = json.loads(Path(a.scaling).read_text())
-        record = add_multiplier(record, sweep, f"python benchmarks/scaling.py --sweep {sweep.get('sweep', '')}")
+        seeds = len({r.get("seed", 0) for r in sweep.get("runs", [])})
+        cmd = f"python benchmarks/scaling.py --sweep {sweep.get('sweep', '')}"
+        cmd += f" --seeds {seeds}" if seeds > 1 else ""
+        record = add_multiplier(record, sweep, cmd)
     out.write_text(json.dumps(record, indent=1) + "\n")
     for m in record.get("multiplier", {}).get("budgets", []):
         print(f"compute multiplier at {m['flops']:.3g} FLOPs: {m['multiplier']:.3g} [{m['low']:.3g}, {m['high']:.3g}]")
+    if "matched" in record.get("multiplier", {}):
+        v = record["multiplier"]["matched"]
+        iv = f"[{v['low']:+.4f}, {v['high']:+.4f}]"
+        print(f"matched runs (equal FLOPs): MoE - dense {v['mean']:+.4f} {iv} over {v['runs']}: {v['verdict']}")
     for r in record.get("comparisons", []):
         iv = f"[{r['low']:+.4f}, {r['high']:+.4f}]"
         print(f"{r['recipe']:>8} {r['budget']:>4}: MoE - dense {r['mean']:+.4f} {iv} over {r['seeds']}: {r['verdict']}")

@@ -48,3 +48,24 @@ def test_the_sweeps_multiplier_joins_the_record_beside_the_verdicts():
     rec = mvd.add_multiplier(rec, sweep, "c", when="2026-12-05")
     assert rec["multiplier"]["budgets"] == [dict(flops=1e11, multiplier=1.4, low=0.9, high=2.1)]
     assert len(rec["comparisons"]) == 1 and rec["multiplier"]["sweep"] == "full"
+
+
+def test_the_sweeps_matched_runs_give_a_paired_verdict_at_equal_flops():
+    def run(family, width, budget, seed, bpb, heldout=False):
+        return dict(family=family, width=width, budget=budget, seed=seed, bpb=bpb, heldout=heldout)
+
+    runs = [run("dense", 16, 1e11, 0, 3.0), run("moe", 16, 1e11, 0, 2.9), run("dense", 16, 1e11, 1, 3.1)]
+    runs += [run("moe", 16, 1e11, 1, 3.05), run("dense", 32, 1e11, 0, 3.2), run("moe", 32, 1e11, 0, 3.12)]
+    runs += [run("moe", 64, 1e11, 0, 2.0), run("dense", 160, 2e12, 0, 2.5, True), run("moe", 160, 2e12, 0, 2.0, True)]
+    sweep = dict(sweep="full", multiplier=[dict(C=1e11, multiplier=1.2, lo_hi=(0.9, 1.6))], runs=runs)
+    m = mvd.add_multiplier({}, sweep, "c")["multiplier"]["matched"]
+    d = [
+        -0.10,
+        -0.05,
+        -0.08,
+    ]  # by hand: (16, seed 0), (16, seed 1), (32, seed 0); width 64 has no dense, 160 is held out
+    mean = sum(d) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 2)
+    assert (m["runs"], m["sweep_seeds"]) == (3, 2) and math.isclose(m["mean"], mean)
+    assert math.isclose(m["low"], mean - 4.302652729911275 * sd / math.sqrt(3), rel_tol=1e-6)
+    assert m["verdict"].startswith("MoE better")
