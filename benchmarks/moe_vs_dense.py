@@ -31,7 +31,7 @@ def moe_minus_dense(runs: list, max_seeds: int = 0) -> dict:
     bpb = {(r["name"], r["seed"]): r["bpb"] for r in runs}
     seeds = sorted(s for n, s in bpb if n == "moe" and ("dense", s) in bpb)
     if not seeds:
-        raise SystemExit("moe_vs_dense: these results hold no seed that both 'moe' and 'dense' ran")
+        raise ValueError("these results hold no seed that both 'moe' and 'dense' ran")
     a, b = [bpb["moe", s] for s in seeds], [bpb["dense", s] for s in seeds]
     names = ("MoE", "dense")
     v = sequential_verdict(a, b, max_seeds, names) if max_seeds else paired_verdict(a, b, names)
@@ -56,7 +56,7 @@ def matched_runs(runs: list) -> dict:
     bpb = {(r["family"], r["width"], r["budget"], r.get("seed", 0)): r["bpb"] for r in runs if not r["heldout"]}
     keys = sorted(k[1:] for k in bpb if k[0] == "moe" and ("dense", *k[1:]) in bpb)
     if not keys:
-        raise SystemExit("moe_vs_dense: this sweep holds no run that both 'moe' and 'dense' ran")
+        raise ValueError("this sweep holds no run that both 'moe' and 'dense' ran")
     v = paired_verdict([bpb[("moe", *k)] for k in keys], [bpb[("dense", *k)] for k in keys], ("MoE", "dense"))
     v = {k: x for k, x in v.items() if k != "seeds"}  # its pairs are runs, counted below
     return {
@@ -70,7 +70,7 @@ def matched_runs(runs: list) -> dict:
 def add_multiplier(record: dict, sweep: dict, command: str = "", when: str = "") -> dict:
     "`record` with the sweep's compute multiplier at each budget and its matched runs' verdict (replacing older ones)."
     if not sweep.get("multiplier"):
-        raise SystemExit("moe_vs_dense: this sweep result holds no multiplier (run benchmarks/scaling.py again)")
+        raise ValueError("this sweep result holds no multiplier (run benchmarks/scaling.py again)")
     rows = [
         dict(flops=m["C"], multiplier=m["multiplier"], low=m["lo_hi"][0], high=m["lo_hi"][1])
         for m in sweep["multiplier"]
@@ -79,6 +79,14 @@ def add_multiplier(record: dict, sweep: dict, command: str = "", when: str = "")
     if sweep.get("runs"):
         entry["matched"] = matched_runs(sweep["runs"])
     return {**record, "multiplier": entry}
+
+
+def read_json(path) -> dict:
+    "The JSON in `path`; a file that is not JSON is named in the error."
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not a JSON result ({e})") from None
 
 
 def main():
@@ -93,16 +101,23 @@ def main():
     if not (a.result or a.scaling) or (a.result and not (a.recipe and a.budget)):
         p.error("give a quality.py result with --recipe and --budget, or --scaling SWEEP.json, or both")
     out = Path(a.out)
-    record = json.loads(out.read_text()) if out.exists() else {}
-    if a.result:
-        record = add_record(record, a.recipe, a.budget, json.loads(Path(a.result).read_text()), a.max_seeds)
-    if a.scaling:
-        sweep = json.loads(Path(a.scaling).read_text())
-        seeds = len({r.get("seed", 0) for r in sweep.get("runs", [])})
-        cmd = f"python benchmarks/scaling.py --sweep {sweep.get('sweep', '')}"
-        cmd += f" --seeds {seeds}" if seeds > 1 else ""
-        record = add_multiplier(record, sweep, cmd)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    try:  # a missing or foreign file is the user's to fix: one line, exit 2, the record untouched
+        record = read_json(out) if out.exists() else {}
+        if a.result:
+            record = add_record(record, a.recipe, a.budget, read_json(a.result), a.max_seeds)
+        if a.scaling:
+            sweep = read_json(a.scaling)
+            seeds = len({r.get("seed", 0) for r in sweep.get("runs", [])})
+            cmd = f"python benchmarks/scaling.py --sweep {sweep.get('sweep', '')}"
+            cmd += f" --seeds {seeds}" if seeds > 1 else ""
+            record = add_multiplier(record, sweep, cmd)
+    except KeyError as e:
+        p.error(f"a result lacks the field {e}: give a benchmarks/quality.py or benchmarks/scaling.py --out .json")
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(out)  # a kill mid-write leaves the old record whole
     for m in record.get("multiplier", {}).get("budgets", []):
         print(f"compute multiplier at {m['flops']:.3g} FLOPs: {m['multiplier']:.3g} [{m['low']:.3g}, {m['high']:.3g}]")
     if "matched" in record.get("multiplier", {}):

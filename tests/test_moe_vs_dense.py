@@ -69,3 +69,18 @@ def test_the_sweeps_matched_runs_give_a_paired_verdict_at_equal_flops():
     assert (m["runs"], m["sweep_seeds"]) == (3, 2) and math.isclose(m["mean"], mean)
     assert math.isclose(m["low"], mean - 4.302652729911275 * sd / math.sqrt(3), rel_tol=1e-6)
     assert m["verdict"].startswith("MoE better")
+
+
+def test_a_bad_result_is_one_line_and_exit_2_with_the_record_untouched(tmp_path):
+    import subprocess
+    import sys
+
+    record, bad = tmp_path / "record.json", tmp_path / "notes.md"
+    record.write_text('{"comparisons": []}\n')
+    bad.write_text("# not json\n")
+    script = Path(__file__).parents[1] / "benchmarks/moe_vs_dense.py"
+    for args in ([str(bad), "--recipe", "x", "--budget", "8m"], ["--scaling", str(tmp_path / "missing.json")]):
+        r = subprocess.run([sys.executable, script, *args, "--out", str(record)], capture_output=True, text=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("moe_vs_dense.py: error:")
+    assert record.read_text() == '{"comparisons": []}\n'
