@@ -1,5 +1,6 @@
 """Loss-free balancing across ranks: two gloo processes see different tokens, and after `update_moe_biases` both hold
-the bias that the summed counts of both ranks (over two micro-batches each) give."""
+the bias that the summed counts of both ranks (over two micro-batches each) give, and the centring that the mean
+scores of all four micro-batches give."""
 
 import dataclasses
 import tempfile
@@ -31,9 +32,11 @@ def _batches(rank):
 
 
 def _forward_all(model, x, loads: dict):
-    "Each layer's forward of x, its counts added to `loads` under its stats key."
+    "Each layer's forward of x, its counts and mean scores added to `loads` under their stats keys."
     for k, m in moe_layers(model).items():
-        loads[k] = loads.get(k, 0) + m(x)[2]["expert_counts"]
+        stats, means = m(x)[2], k.replace("expert_counts", "score_mean")
+        loads[k] = loads.get(k, 0) + stats["expert_counts"]
+        loads[means] = loads.get(means, 0) + stats["score_mean"]
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -42,9 +45,10 @@ def _worker(rank, world, init_file, out_dir):
         model, loads = _model().train(), {}
         for x in _batches(rank):
             _forward_all(model, x, loads)  # two micro-batches of one step
-        n = update_moe_biases(model, loads)
+        n = update_moe_biases(model, loads, step=1, forwards=2)
         bias = [m.expert_bias.clone() for m in moe_layers(model).values()]
-        torch.save({"n": n, "bias": bias}, Path(out_dir) / f"rank{rank}.pt")
+        center = [m.score_center.clone() for m in moe_layers(model).values()]
+        torch.save({"n": n, "bias": bias, "center": center}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -58,9 +62,15 @@ def test_bias_update_sums_counts_over_ranks_and_micro_batches():
     for r in range(2):
         for x in _batches(r):
             _forward_all(model, x, loads)
-    update_moe_biases(model, loads)
+    update_moe_biases(model, loads, step=1, forwards=4)
     assert got[0]["n"] == got[1]["n"] == 2
     for layer, m in enumerate(moe_layers(model).values()):
         assert torch.equal(got[0]["bias"][layer], got[1]["bias"][layer])  # ranks agree
         assert torch.allclose(got[0]["bias"][layer], m.expert_bias)  # and match the summed counts
         assert m.expert_bias.abs().sum() > 0  # something moved
+        # by hand: each micro-batch's mean sigmoid score, averaged over all four, centred, at step 1 of 200
+        xs = [x.reshape(-1, CFG.d_model) for r in range(2) for x in _batches(r)]
+        mean = torch.stack([torch.sigmoid(x @ m.router.weight.T).mean(0) for x in xs]).mean(0)
+        by_hand = -(1 - 1 / CFG.moe.center_steps) * (mean - mean.mean())
+        assert torch.equal(got[0]["center"][layer], got[1]["center"][layer])  # ranks agree bit for bit
+        assert torch.allclose(got[0]["center"][layer], by_hand, atol=1e-6) and by_hand.abs().sum() > 0

@@ -1,10 +1,11 @@
 """Loss-free balancing under every plan, each against a hand count: the tokens each MoE block saw in a step's forwards
-(not the recomputations of a checkpointed backward), routed again one token at a time with the block's router weights
-and bias and counted, are the load the step applies, and the bias ends where `apply_load` of those counts moves a fresh
-block's copy of it. Plans: selective and full activation checkpointing, a stack mixing dense and MoE layers, a
-recurrent core (every loop's tokens count, the loops without gradients too), the byte hourglass, FSDP2 over two gloo
-ranks, a stopped and resumed run; and the bookkeeping reads no value on the host. Weight averaging averages the
-biases with the weights: nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
+(not the recomputations of a checkpointed backward), routed again one token at a time with the block's router weights,
+bias and centring and counted, are the load the step applies, and the bias ends where `apply_load` of those counts
+moves a fresh block's copy of it; the centring is the step's mean scores, averaged by hand over its forwards. Plans:
+selective and full activation checkpointing, a stack mixing dense and MoE layers, a recurrent core (every loop's
+tokens count, the loops without gradients too), the byte hourglass, FSDP2 over two gloo ranks, a stopped and resumed
+run; and the bookkeeping reads no value on the host. Weight averaging averages the biases with the weights (the
+centring stays live): nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
 
 import dataclasses
 import tempfile
@@ -55,14 +56,19 @@ PLANS = {  # overrides, then the forwards each MoE block runs per micro-batch (m
 }
 
 
-def hand_counts(moe: MoE, x) -> list:
-    "Each expert's assignments for the tokens x [..., d], each token's top-k picked in a plain loop."
+def hand_scores(moe: MoE, x):
+    "The block's scores [N, E] of the tokens x [..., d]."
     m, w = moe.cfg.moe, moe.router.weight
     w = w.full_tensor() if hasattr(w, "full_tensor") else w  # FSDP2: whole in a block's forward, a shard outside it
     logits = F.linear(x.detach().reshape(-1, x.shape[-1]).float(), w.detach().float())  # [N, E], as the block routes
-    scores = logits.sigmoid() if m.router_score == "sigmoid" else logits.softmax(-1)
+    return logits.sigmoid() if m.router_score == "sigmoid" else logits.softmax(-1)
+
+
+def hand_counts(moe: MoE, x) -> list:
+    "Each expert's assignments for the tokens x [..., d], each token's top-k picked in a plain loop."
+    m, scores = moe.cfg.moe, hand_scores(moe, x)
     counts = [0] * m.n_routed
-    for row in (scores + moe.expert_bias.float()).tolist():
+    for row in (scores + moe.expert_bias.float() + moe.score_center.float()).tolist():
         for e in sorted(range(m.n_routed), key=lambda e: -row[e])[: m.top_k]:  # ties to the lower index
             counts[e] += 1
     return counts
@@ -81,6 +87,7 @@ class HandCount:
     def reset(self):
         self.counts = [[0] * m.cfg.moe.n_routed for _, m in self.blocks]
         self.calls = [0] * len(self.blocks)
+        self.means = [[] for _ in self.blocks]  # each micro-batch's mean score per expert (its loops averaged)
 
     def hook(self, i, mod, args):
         # only a reference: an op here would run inside selective checkpointing's record of the forward
@@ -88,11 +95,21 @@ class HandCount:
             self.seen.append((i, args[0]))
 
     def flush(self):
-        "Add the hand counts of the forwards seen since the last flush (weights and biases unchanged since)."
+        "Add the hand counts and mean scores of the forwards seen since the last flush (one micro-batch)."
+        loops = [[] for _ in self.blocks]
         for i, x in self.seen:
             self.counts[i] = [a + b for a, b in zip(self.counts[i], hand_counts(self.blocks[i][1], x))]
             self.calls[i] += 1
+            loops[i].append(hand_scores(self.blocks[i][1], x).mean(0))
+        for i, means in enumerate(loops):
+            if means:
+                self.means[i].append(torch.stack(means).mean(0))
         self.seen = []
+
+    def center(self, i: int, step: int, others: list = ()):
+        "Block i's centring after `step`: the mean over this step's micro-batches (and `others`') of their mean scores."
+        mean = torch.stack([*self.means[i], *others]).mean(0)
+        return -(1 - step / self.blocks[i][1].cfg.moe.center_steps) * (mean - mean.mean())
 
 
 def build(overrides, rank: int = 0, world: int = 1):
@@ -133,7 +150,12 @@ def train(model, counter, steps) -> list:
         trainer.step = step
         balance.after_step(trainer)
         after = [m.expert_bias.clone() for _, m in counter.blocks]
-        out.append(dict(hand=counter.counts, calls=counter.calls, pending=pending, before=before, after=after))
+        center = [m.score_center.clone() for _, m in counter.blocks]
+        hand_center = [counter.center(i, step) for i in range(len(counter.blocks))]
+        out.append(
+            dict(hand=counter.counts, calls=counter.calls, pending=pending, before=before, after=after)
+            | dict(center=center, hand_center=hand_center, means=counter.means)
+        )
     return out
 
 
@@ -142,7 +164,7 @@ def expected_bias(cfg, before, counts, step: int):
     ref = MoE(cfg)
     with torch.no_grad():
         ref.expert_bias.copy_(before)
-    ref.apply_load(torch.tensor(counts), step)
+    ref.apply_load(torch.tensor(counts), step, scores=torch.zeros(cfg.moe.n_routed))  # scores move the centring only
     return ref.expert_bias
 
 
@@ -168,6 +190,8 @@ def test_every_block_counts_each_token_once(plan, early_stop):
             assert sum(hand) == 2 * 2 * 24 * m.cfg.moe.top_k * runs[int(name.split(".")[1])]
             assert not torch.equal(after, before), (plan, step, name)  # every block updates
             assert torch.equal(after, expected_bias(m.cfg, before, hand, step)), (plan, step, name)
+        for center, by_hand in zip(s["center"], s["hand_center"]):  # every block centres, from every loop
+            assert center.abs().sum() > 0 and torch.allclose(center, by_hand, atol=1e-6), (plan, step)
 
 
 def test_byte_hourglass_counts_under_its_main_layers():
@@ -216,14 +240,17 @@ def test_fsdp2_ranks_end_each_step_with_the_same_biases():
             both = [x + y for x, y in zip(a["hand"][layer], b["hand"][layer])]
             assert torch.equal(a["after"][layer], expected_bias(cfg, a["before"][layer], both, step)), (step, layer)
             assert not torch.equal(a["after"][layer], a["before"][layer])
+            assert torch.equal(a["center"][layer], b["center"][layer])  # the centring too
+            hand = -(1 - step / cfg.moe.center_steps) * torch.stack(a["means"][layer] + b["means"][layer]).mean(0)
+            assert torch.allclose(a["center"][layer], hand - hand.mean(), atol=1e-6), (step, layer)
 
 
 def biases(run, step: int) -> dict:
-    "The balancing biases in a run's checkpoint of `step`, by name."
+    "The balancing biases and centrings in a run's checkpoint of `step`, by name."
     from cipher_nb.persist.files import load_checkpoint
 
     model = load_checkpoint(run / f"checkpoints/step_{step:07d}")["model"]
-    return {k: v for k, v in model.items() if k.endswith("expert_bias")}
+    return {k: v for k, v in model.items() if k.endswith(("expert_bias", "score_center"))}
 
 
 def test_biases_resume_bit_exactly(straight_run, tmp_path, one_thread):

@@ -9,8 +9,8 @@ __all__ = ['GROUP_ALIGN', 'FUSED_GATE_UP_ROWS', 'MOE_IMPLS', 'GROUPED_DTYPES', '
            'expert_counts', 'router_z_loss', 'router_probs', 'balance_loss', 'ortho_loss', 'cross_pop_overlap',
            'expert_load_stats', 'DispatchPlan', 'dispatch_plan', 'sum_token_rows', 'grouped_mm', 'grouped_mm_op',
            'compute_dtype', 'bmm_capacity', 'expert_products', 'RoutedExperts', 'SharedProjectionExperts',
-           'resolve_moe_impl', 'expert_width', 'bias_rate', 'bias_step', 'MoE', 'moe_layers', 'update_moe_biases',
-           'moe_kernels_used']
+           'resolve_moe_impl', 'expert_width', 'bias_rate', 'center_weight', 'bias_step', 'MoE', 'moe_layers',
+           'update_moe_biases', 'moe_kernels_used']
 
 # %% ../../nbs/05_model_moe.ipynb #5ee5504f
 import math
@@ -450,6 +450,13 @@ def bias_rate(m, step: int | None = None, horizon: int | None = None) -> float:
     gamma = max(m.bias_gamma, m.bias_travel / horizon) if horizon else m.bias_gamma
     return gamma * (BIAS_BOOST if step is not None and step <= m.bias_boost_steps else 1)
 
+# %% ../../nbs/05_model_moe.ipynb #909df2be
+def center_weight(m, step: int | None = None) -> float:
+    "How much of the mean scores the choice takes off after optimizer `step` (MoE config `m`): 1 falling to 0."
+    if step is None or m.center_steps == 0 or m.bias_gamma == 0:
+        return 0.0  # no step of a plan (a hand-made update), no centring, or a frozen balance (LoRA)
+    return max(0.0, 1 - step / m.center_steps)
+
 # %% ../../nbs/05_model_moe.ipynb #7bb1cae9
 def bias_step(load, gamma: float, rule: str = "overload", climb: float | None = None):
     "The bias's move [E] for one step's `load` [E], mean-centred: `gamma * sign(mean - load)`, scaled by `rule`."
@@ -465,6 +472,12 @@ def bias_step(load, gamma: float, rule: str = "overload", climb: float | None = 
         step = torch.where(err > 0, torch.maximum(step, up), step)
     delta = torch.sign(err) * step
     return delta - delta.mean()  # the biases keep summing to zero
+
+# %% ../../nbs/05_model_moe.ipynb #aba9d4d6
+def _old_center(module, state_dict, prefix, *args):
+    "Load-state-dict pre-hook: a block saved before the centring existed had none (zeros)."
+    if prefix + "expert_bias" in state_dict:
+        state_dict.setdefault(prefix + "score_center", torch.zeros_like(state_dict[prefix + "expert_bias"]))
 
 # %% ../../nbs/05_model_moe.ipynb #c4d614b1
 class MoE(nn.Module):
@@ -486,6 +499,8 @@ class MoE(nn.Module):
             self.experts = RoutedExperts(E, d, h)
         self.shared = SwiGLU(d, cfg.moe.n_shared * h) if cfg.moe.n_shared > 0 else None
         self.register_buffer("expert_bias", torch.zeros(E))
+        self.register_buffer("score_center", torch.zeros(E))  # the last step's mean scores, centred, times -weight
+        self.register_load_state_dict_pre_hook(_old_center)
         self.kernel = None  # the expert path ('grouped', 'bmm' or 'loop') the last forward took (see `path`)
         self.reset_parameters()
 
@@ -510,7 +525,7 @@ class MoE(nn.Module):
         rdt = torch.float64 if self.router.weight.dtype == torch.float64 else torch.float32  # routing dtype
         with torch.autocast(xf.device.type, enabled=False):
             logits = F.linear(xf.to(rdt), self.router.weight.to(rdt))  # [N, E]
-        bias = self.expert_bias.to(rdt) if m.bias_balance else None
+        bias = (self.expert_bias + self.score_center).to(rdt) if m.bias_balance else None
         return (logits, *route(logits, m.top_k, m.router_score, m.router_renorm, m.route_scale, bias))
 
     def path(self, x) -> str:
@@ -580,15 +595,25 @@ class MoE(nn.Module):
             s["cross_pop_overlap"] = cross_pop_overlap(gates.float(), idx, c.moe.n_pop_a)
         if c.moe.bias_balance:  # how far the balancing has had to push: the largest bias in the layer
             s["bias_drift"] = self.expert_bias.abs().max()
+            s["score_mean"] = scores.mean(0)  # [E] each expert's mean score: what the centring takes off
         return s
 
     @torch.no_grad()
-    def apply_load(self, load, step: int = None, horizon: int = None):
-        "One balancing step from `load` [E] at optimizer `step` of a run planned for `horizon` steps (`bias_step`)."
+    def apply_load(self, load, step: int = None, horizon: int = None, scores=None):
+        "One balancing step from `load` [E] and mean `scores` [E] at optimizer `step` of a `horizon`-step plan."
         m = self.cfg.moe
-        if m.bias_balance:
-            rate = bias_rate(m, step, horizon)
-            self.expert_bias += bias_step(load.to(self.expert_bias.device), rate, m.bias_rule, m.bias_gamma)
+        if not m.bias_balance:
+            return
+        rate = bias_rate(m, step, horizon)
+        self.expert_bias += bias_step(load.to(self.expert_bias.device), rate, m.bias_rule, m.bias_gamma)
+        weight = center_weight(m, step)
+        if weight == 0:
+            self.score_center.zero_()
+        elif scores is None:
+            raise ValueError(f"the centring (model.moe.center_steps) needs step {step}'s mean scores")
+        else:
+            scores = scores.to(self.score_center)
+            self.score_center.copy_(-weight * (scores - scores.mean()))
 
 # %% ../../nbs/05_model_moe.ipynb #0783a6ba
 def moe_layers(model: nn.Module) -> dict:
@@ -604,8 +629,8 @@ def moe_layers(model: nn.Module) -> dict:
     return found
 
 # %% ../../nbs/05_model_moe.ipynb #1712b9f1
-def update_moe_biases(model: nn.Module, loads: dict, step: int = None, horizon: int = None) -> int:
-    "Move every `MoE`'s bias by its counts in `loads` (stats key -> [E]) of optimizer step `step`; how many moved."
+def update_moe_biases(model: nn.Module, loads: dict, step: int = None, horizon: int = None, forwards: int = 1) -> int:
+    "Move every `MoE`'s bias by `loads`, the stats of optimizer step `step`'s `forwards` summed; how many moved."
     layers = moe_layers(model)
     if not layers:
         return 0
@@ -614,10 +639,21 @@ def update_moe_biases(model: nn.Module, loads: dict, step: int = None, horizon: 
         raise ValueError(f"no counts for {', '.join(missing)}: pass the stats of the step's forwards, summed")
     dev = next(iter(layers.values())).expert_bias.device
     counts = torch.stack([loads[k].to(dev, torch.long) for k in layers])  # [layers, E] whole counts
-    if dist.is_available() and dist.is_initialized():
+    ranks = dist.is_available() and dist.is_initialized()
+    if ranks:
         dist.all_reduce(counts)  # one for every layer: each rank's own tokens, summed
-    for m, load in zip(layers.values(), counts):
-        m.apply_load(load, step, horizon)
+    scores = [None] * len(layers)
+    if any(m.cfg.moe.bias_balance and center_weight(m.cfg.moe, step) > 0 for m in layers.values()):
+        keys = [k.removesuffix("expert_counts") + "score_mean" for k in layers]
+        missing = [k for k in keys if k not in loads]
+        if missing:
+            raise ValueError(f"no mean scores for {', '.join(missing)}: pass the stats of the step's forwards, summed")
+        scores = torch.stack([loads[k].to(dev) for k in keys])  # [layers, E] each forward's mean, summed
+        if ranks:
+            dist.all_reduce(scores)
+        scores = scores / (forwards * (dist.get_world_size() if ranks else 1))  # the step's mean, every rank alike
+    for m, load, s in zip(layers.values(), counts, scores):
+        m.apply_load(load, step, horizon, s)
     return len(layers)
 
 # %% ../../nbs/05_model_moe.ipynb #78783878

@@ -167,25 +167,28 @@ class RunCheckpoints:
 
 # %% ../../nbs/11a_train_builder.ipynb #c3c3d0e0
 class MoEBalancing(Callback):
-    "The loss-free balancing of every MoE block: its bias moves after each optimizer step, from that step's counts."
+    "The loss-free balancing of every MoE block: its bias moves after each optimizer step, from that step's stats."
 
     def __init__(self):
-        self.load = {}  # stats key -> int64 counts [E], summed over the step's micro-batches so far
+        self.load, self.forwards = {}, 0  # stats key -> [E] summed over the step's micro-batches so far; how many
 
     def before_step(self, trainer):
-        "Drop the routing counts a skipped step left behind: that step never happened."
-        self.load = {}
+        "Drop the routing stats a skipped step left behind: that step never happened."
+        self.load, self.forwards = {}, 0
 
     def after_forward(self, trainer, out):
-        "Add a micro-batch's counts, as its forward returned them (whole numbers, so exact as int64)."
+        "Add a micro-batch's counts (whole numbers, so exact as int64) and mean scores, as its forward returned them."
         for k, v in out.stats.items():
             if k.endswith("expert_counts"):
                 self.load[k] = self.load.get(k, 0) + v.long()
+            elif k.endswith("score_mean"):
+                self.load[k] = self.load.get(k, 0) + v
+        self.forwards += 1
 
     def after_step(self, trainer):
-        # one all-reduce for every block, on every rank; the plan's length sets a short run's rate (bias_travel)
-        update_moe_biases(trainer.raw_model, self.load, trainer.step, trainer.schedule.max_steps)
-        self.load = {}
+        # on every rank, for every block at once; the plan's length sets a short run's rate (bias_travel)
+        update_moe_biases(trainer.raw_model, self.load, trainer.step, trainer.schedule.max_steps, self.forwards)
+        self.load, self.forwards = {}, 0
 
 # %% ../../nbs/11a_train_builder.ipynb #59abbebb
 class BoundarySchedule(Callback):
