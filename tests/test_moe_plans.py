@@ -268,7 +268,8 @@ def test_biases_resume_bit_exactly(straight_run, tmp_path, one_thread):
         want, got = biases(straight_run, step), biases(run, step)
         assert want and same_weights(got, want), step
     first, last = biases(run, RESUME_EVERY), biases(run, RESUME_STEPS)
-    assert all(b.abs().sum() > 0 and not torch.equal(b, last[k]) for k, b in first.items())  # they moved, and on
+    moved = [k for k, b in first.items() if b.abs().sum() > 0 and not torch.equal(b, last[k])]  # and went on moving
+    assert sorted(moved) == sorted(k for k in first if k.endswith("expert_bias"))  # 6 steps: too short to centre
 
 
 def test_bookkeeping_reads_no_value_on_the_host():

@@ -98,7 +98,7 @@ class MoEConfig:
     bias_boost_steps: int = 0  # the first optimizer steps at BIAS_BOOST (10) times bias_gamma; 0 = never
     bias_rule: BiasRule = "proportional"  # sign: DeepSeek-V3; overload: overloads faster; proportional: starved too
     bias_travel: float = 0.6  # a short run's rate: at least bias_travel / its planned steps; 0 = bias_gamma always
-    center_steps: int = 200  # the choice less each expert's mean score, fading out over these steps; 0 = never
+    center_steps: int = 200  # the choice less each expert's mean score, fading over these steps (long runs)
     z_loss_weight: float = 1e-3
     balance_loss_weight: float = 0.0  # off by default since bias balancing is on (the runbook used 1e-3)
     n_pop_a: int = 0  # experts [0, n_pop_a) form population A, the rest B; 0 = one population
