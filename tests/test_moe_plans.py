@@ -131,7 +131,7 @@ def batches(rank: int = 0, steps: int = 2, micro: int = 2):
 def train(model, counter, steps) -> list:
     "Optimizer steps as the trainer runs them, with its balancing callback: what each step counted and moved."
     opt, out, balance = torch.optim.SGD(model.parameters(), lr=0.5), [], MoEBalancing()
-    trainer = SimpleNamespace(raw_model=model, schedule=SimpleNamespace(max_steps=None))
+    trainer = SimpleNamespace(raw_model=model, schedule=SimpleNamespace(max_steps=None, planned=True))
     key = {id(m): k for k, m in moe_layers(model).items()}  # each block's stats key, checked by its hand count
     for step, micro in enumerate(steps, 1):
         counter.reset()
@@ -164,7 +164,7 @@ def expected_bias(cfg, before, counts, step: int):
     ref = MoE(cfg)
     with torch.no_grad():
         ref.expert_bias.copy_(before)
-    ref.apply_load(torch.tensor(counts), step, scores=torch.zeros(cfg.moe.n_routed))  # scores move the centring only
+    ref.apply_load(torch.tensor(counts), step)
     return ref.expert_bias
 
 

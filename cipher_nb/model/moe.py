@@ -604,21 +604,17 @@ class MoE(nn.Module):
         return s
 
     @torch.no_grad()
-    def apply_load(self, load, step: int = None, horizon: int = None, scores=None):
-        "One balancing step from `load` [E] and mean `scores` [E] at optimizer `step` of a `horizon`-step plan."
+    def apply_load(self, load, step: int = None, horizon: int = None, center=None):
+        "One balancing step from `load` [E] at optimizer `step` of a `horizon`-step plan; `center` [E] or none next."
         m = self.cfg.moe
         if not m.bias_balance:
             return
         rate = bias_rate(m, step, horizon)
         self.expert_bias += bias_step(load.to(self.expert_bias.device), rate, m.bias_rule, m.bias_gamma)
-        weight = center_weight(m, step, horizon)
-        if weight == 0:
+        if center is None:
             self.score_center.zero_()
-        elif scores is None:
-            raise ValueError(f"the centring (model.moe.center_steps) needs step {step}'s mean scores")
         else:
-            scores = scores.to(self.score_center)
-            self.score_center.copy_(-weight * (scores - scores.mean()))
+            self.score_center.copy_(center)
 
 # %% ../../nbs/05_model_moe.ipynb #0783a6ba
 def moe_layers(model: nn.Module) -> dict:
@@ -634,7 +630,9 @@ def moe_layers(model: nn.Module) -> dict:
     return found
 
 # %% ../../nbs/05_model_moe.ipynb #1712b9f1
-def update_moe_biases(model: nn.Module, loads: dict, step: int = None, horizon: int = None, forwards: int = 1) -> int:
+def update_moe_biases(
+    model: nn.Module, loads: dict, step: int = None, horizon: int = None, forwards: int = 1, planned: bool = True
+) -> int:
     "Move every `MoE`'s bias by `loads`, the stats of optimizer step `step`'s `forwards` summed; how many moved."
     layers = moe_layers(model)
     if not layers:
@@ -647,18 +645,21 @@ def update_moe_biases(model: nn.Module, loads: dict, step: int = None, horizon: 
     ranks = dist.is_available() and dist.is_initialized()
     if ranks:
         dist.all_reduce(counts)  # one for every layer: each rank's own tokens, summed
-    scores = [None] * len(layers)
-    if any(m.cfg.moe.bias_balance and center_weight(m.cfg.moe, step, horizon) > 0 for m in layers.values()):
+    # a time budget plans after its first steps (`planned` False till then): the centring waits for the plan
+    weights = [center_weight(m.cfg.moe, step, horizon) if planned else 0.0 for m in layers.values()]
+    centers = [None] * len(layers)
+    if any(w > 0 and m.cfg.moe.bias_balance for w, m in zip(weights, layers.values())):
         keys = [k.removesuffix("expert_counts") + "score_mean" for k in layers]
         missing = [k for k in keys if k not in loads]
         if missing:
             raise ValueError(f"no mean scores for {', '.join(missing)}: pass the stats of the step's forwards, summed")
-        scores = torch.stack([loads[k].to(dev) for k in keys])  # [layers, E] each forward's mean, summed
+        means = torch.stack([loads[k].to(dev) for k in keys])  # [layers, E] each forward's mean, summed
         if ranks:
-            dist.all_reduce(scores)
-        scores = scores / (forwards * (dist.get_world_size() if ranks else 1))  # the step's mean, every rank alike
-    for m, load, s in zip(layers.values(), counts, scores):
-        m.apply_load(load, step, horizon, s)
+            dist.all_reduce(means)
+        means = means / (forwards * (dist.get_world_size() if ranks else 1))  # the step's mean, every rank alike
+        centers = [-w * (s - s.mean()) if w > 0 else None for w, s in zip(weights, means)]
+    for m, load, center in zip(layers.values(), counts, centers):
+        m.apply_load(load, step, horizon, center)
     return len(layers)
 
 # %% ../../nbs/05_model_moe.ipynb #78783878

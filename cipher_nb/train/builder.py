@@ -186,8 +186,9 @@ class MoEBalancing(Callback):
         self.forwards += 1
 
     def after_step(self, trainer):
-        # on every rank, for every block at once; the plan's length sets a short run's rate (bias_travel)
-        update_moe_biases(trainer.raw_model, self.load, trainer.step, trainer.schedule.max_steps, self.forwards)
+        # on every rank, for every block at once; the plan's length sets a short run's rate and the centring
+        s = trainer.schedule
+        update_moe_biases(trainer.raw_model, self.load, trainer.step, s.max_steps, self.forwards, s.planned)
         self.load, self.forwards = {}, 0
 
 # %% ../../nbs/11a_train_builder.ipynb #59abbebb
