@@ -456,8 +456,8 @@ CENTER_PLAN = 8  # the centring runs only in runs planned for at least this many
 
 def center_weight(m, step: int | None = None, horizon: int | None = None) -> float:
     "How much of the mean scores the choice takes off after optimizer `step` (MoE config `m`) of a `horizon`-step plan."
-    if step is None or m.center_steps == 0 or m.bias_gamma == 0:
-        return 0.0  # no step of a plan (a hand-made update), no centring, or a frozen balance (LoRA)
+    if step is None or not m.bias_balance or m.center_steps == 0 or m.bias_gamma == 0:
+        return 0.0  # no step of a plan (a hand-made update), no balancing, no centring, or a frozen balance (LoRA)
     if horizon and horizon < CENTER_PLAN * m.center_steps:
         return 0.0  # too short a run to win back what the centring costs
     return max(0.0, 1 - step / m.center_steps)
@@ -648,7 +648,7 @@ def update_moe_biases(
     # a time budget plans after its first steps (`planned` False till then): the centring waits for the plan
     weights = [center_weight(m.cfg.moe, step, horizon) if planned else 0.0 for m in layers.values()]
     centers = [None] * len(layers)
-    if any(w > 0 and m.cfg.moe.bias_balance for w, m in zip(weights, layers.values())):
+    if any(w > 0 for w in weights):
         keys = [k.removesuffix("expert_counts") + "score_mean" for k in layers]
         missing = [k for k in keys if k not in loads]
         if missing:
