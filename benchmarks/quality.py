@@ -167,6 +167,8 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     cfg = load_config(a.config, [*over, *plan])
     tr = build_trainer(cfg, run_dir, progress=False)
     tr.schedule.clock = time.process_time if a.clock == "cpu" else time.perf_counter
+    if not budgeted(a, name):  # the calibration planned the steps: a recipe's time budget waits for no plan (nor
+        tr.schedule.planned = True  # does what waits for one, the MoE's centring), as its cipher-train run's would not
     tr.checkpoints = None
     keep = (MoEBalancing, BoundarySchedule)  # the step keeps its bias balancing and its boundary predictor's schedule
     tr.callbacks = [cb for cb in tr.callbacks if isinstance(cb, keep)]
