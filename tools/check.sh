@@ -25,7 +25,7 @@ ruff check cipher_nb --select F821
 
 echo "== nbdev-test"
 # one BLAS thread per notebook worker: two workers with two threads each on two cores stall each other. A worker that
-# crashes in native code (a segfault in dynamo's fake-tensor tracing, seen three times, unexplained) prints the Python
+# crashes in native code (a segfault in dynamo's fake-tensor tracing, seen a few times, unexplained) prints the Python
 # stack it was in (PYTHONFAULTHANDLER), and --do-print with unbuffered output names each notebook as it starts, so
 # the notebook that crashed is the one that started and never completed.
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
