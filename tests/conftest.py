@@ -171,6 +171,24 @@ def weights(folder) -> dict:
     return load_file(Path(folder) / "model.safetensors")
 
 
+def shift_by_hand(choice, k: int, iters: int = 10, rate: float = 0.005):
+    """An MoE's solved balance shift (`cipher_nb.model.moe.balance_shift`, 10 steps of 0.005) in float64 Python: each
+    token's top-k of `choice` [N, E] plus the shift picked in a plain loop, the shift stepped expert by expert."""
+    import math
+
+    import torch
+
+    rows, E = choice.double().tolist(), choice.shape[1]
+    b = [0.0] * E
+    for _ in range(iters):
+        load = [0] * E
+        for row in rows:
+            for e in sorted(range(E), key=lambda e: -(row[e] + b[e]))[:k]:  # ties to the lower index
+                load[e] += 1
+        b = [x - rate * math.log(max(n * E / sum(load), 0.1)) for x, n in zip(b, load)]
+    return torch.tensor([x - sum(b) / E for x in b], dtype=torch.float32)
+
+
 def same_weights(a: dict, b: dict) -> bool:
     "Bit for bit: the same names, the same tensors."
     import torch

@@ -1,6 +1,6 @@
 """Loss-free balancing across ranks: two gloo processes see different tokens, and after `update_moe_biases` both hold
-the bias that the summed counts of both ranks (over two micro-batches each) give, and the centring that the mean
-scores of all four micro-batches give."""
+the bias that the summed counts of both ranks (over two micro-batches each) give, plus the first step's share of the
+shift solved on each of the four micro-batches."""
 
 import dataclasses
 import tempfile
@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from conftest import shift_by_hand
 
 from cipher_nb.config.load import ModelConfig
-from cipher_nb.model.moe import MoE, moe_layers, update_moe_biases
+from cipher_nb.model.moe import MoE, bias_rate, bias_step, moe_layers, update_moe_biases
 
 CFG = ModelConfig(d_model=16, moe=dict(n_routed=6, n_shared=0, top_k=2, expert_d_ff=8, bias_gamma=0.1))
 
@@ -32,11 +33,11 @@ def _batches(rank):
 
 
 def _forward_all(model, x, loads: dict):
-    "Each layer's forward of x, its counts and mean scores added to `loads` under their stats keys."
+    "Each layer's forward of x, its counts and solved shift added to `loads` under their stats keys."
     for k, m in moe_layers(model).items():
-        stats, means = m(x)[2], k.replace("expert_counts", "score_mean")
+        stats, shift = m(x)[2], k.replace("expert_counts", "balance_shift")
         loads[k] = loads.get(k, 0) + stats["expert_counts"]
-        loads[means] = loads.get(means, 0) + stats["score_mean"]
+        loads[shift] = loads.get(shift, 0) + stats["balance_shift"]
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -47,8 +48,7 @@ def _worker(rank, world, init_file, out_dir):
             _forward_all(model, x, loads)  # two micro-batches of one step
         n = update_moe_biases(model, loads, step=1, forwards=2)
         bias = [m.expert_bias.clone() for m in moe_layers(model).values()]
-        center = [m.score_center.clone() for m in moe_layers(model).values()]
-        torch.save({"n": n, "bias": bias, "center": center}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save({"n": n, "bias": bias}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -62,15 +62,16 @@ def test_bias_update_sums_counts_over_ranks_and_micro_batches():
     for r in range(2):
         for x in _batches(r):
             _forward_all(model, x, loads)
+    counts = {k: v.clone() for k, v in loads.items() if k.endswith("expert_counts")}
     update_moe_biases(model, loads, step=1, forwards=4)
     assert got[0]["n"] == got[1]["n"] == 2
-    for layer, m in enumerate(moe_layers(model).values()):
-        assert torch.equal(got[0]["bias"][layer], got[1]["bias"][layer])  # ranks agree
-        assert torch.allclose(got[0]["bias"][layer], m.expert_bias)  # and match the summed counts
-        assert m.expert_bias.abs().sum() > 0  # something moved
-        # by hand: each micro-batch's mean sigmoid score, averaged over all four, centred, at step 1 of 200
+    for layer, (k, m) in enumerate(moe_layers(model).items()):
+        assert torch.equal(got[0]["bias"][layer], got[1]["bias"][layer])  # ranks agree bit for bit
+        assert torch.allclose(got[0]["bias"][layer], m.expert_bias)  # and match one process's update of every batch
+        # by hand: the bias step of the summed counts, then the shift solved on each micro-batch's sigmoid scores
+        # (the bias was zero), averaged over all four, centred, at step 1 of 200
         xs = [x.reshape(-1, CFG.d_model) for r in range(2) for x in _batches(r)]
-        mean = torch.stack([torch.sigmoid(x @ m.router.weight.T).mean(0) for x in xs]).mean(0)
-        by_hand = -(1 - 1 / CFG.moe.center_steps) * (mean - mean.mean())
-        assert torch.equal(got[0]["center"][layer], got[1]["center"][layer])  # ranks agree bit for bit
-        assert torch.allclose(got[0]["center"][layer], by_hand, atol=1e-6) and by_hand.abs().sum() > 0
+        shift = torch.stack([shift_by_hand(torch.sigmoid(x @ m.router.weight.T), m.cfg.moe.top_k) for x in xs]).mean(0)
+        shift = (1 - 1 / CFG.moe.center_steps) * (shift - shift.mean())
+        step = bias_step(counts[k], bias_rate(m.cfg.moe, 1), m.cfg.moe.bias_rule, m.cfg.moe.bias_gamma)
+        assert shift.abs().sum() > 0 and torch.allclose(got[0]["bias"][layer], step + shift, atol=1e-6)

@@ -1,11 +1,11 @@
 """Loss-free balancing under every plan, each against a hand count: the tokens each MoE block saw in a step's forwards
-(not the recomputations of a checkpointed backward), routed again one token at a time with the block's router weights,
-bias and centring and counted, are the load the step applies, and the bias ends where `apply_load` of those counts
-moves a fresh block's copy of it; the centring is the step's mean scores, averaged by hand over its forwards. Plans:
-selective and full activation checkpointing, a stack mixing dense and MoE layers, a recurrent core (every loop's
-tokens count, the loops without gradients too), the byte hourglass, FSDP2 over two gloo ranks, a stopped and resumed
-run; and the bookkeeping reads no value on the host. Weight averaging averages the biases with the weights (the
-centring stays live): nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
+(not the recomputations of a checkpointed backward), routed again one token at a time with the block's router weights
+and bias and counted, are the load the step applies, and the bias ends where `apply_load` of those counts moves a fresh
+block's copy of it, plus the first steps' share of the solved shift, solved by hand on each forward and averaged over
+the step's forwards. Plans: selective and full activation checkpointing, a stack mixing dense and MoE layers, a
+recurrent core (every loop's tokens count, the loops without gradients too), the byte hourglass, FSDP2 over two gloo
+ranks, a stopped and resumed run; and the bookkeeping reads no value on the host. Weight averaging averages the biases
+with the weights: nbs/08d_optim_ema.ipynb and tests/test_ema.py."""
 
 import dataclasses
 import tempfile
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_weights
+from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_weights, shift_by_hand
 
 from cipher_nb.config.load import ModelConfig, load_config
 from cipher_nb.core import DistEnv
@@ -68,7 +68,7 @@ def hand_counts(moe: MoE, x) -> list:
     "Each expert's assignments for the tokens x [..., d], each token's top-k picked in a plain loop."
     m, scores = moe.cfg.moe, hand_scores(moe, x)
     counts = [0] * m.n_routed
-    for row in (scores + moe.expert_bias.float() + moe.score_center.float()).tolist():
+    for row in (scores + moe.expert_bias.float()).tolist():
         for e in sorted(range(m.n_routed), key=lambda e: -row[e])[: m.top_k]:  # ties to the lower index
             counts[e] += 1
     return counts
@@ -87,7 +87,7 @@ class HandCount:
     def reset(self):
         self.counts = [[0] * m.cfg.moe.n_routed for _, m in self.blocks]
         self.calls = [0] * len(self.blocks)
-        self.means = [[] for _ in self.blocks]  # each micro-batch's mean score per expert (its loops averaged)
+        self.shifts = [[] for _ in self.blocks]  # each micro-batch's solved shift (its loops averaged)
 
     def hook(self, i, mod, args):
         # only a reference: an op here would run inside selective checkpointing's record of the forward
@@ -95,21 +95,23 @@ class HandCount:
             self.seen.append((i, args[0]))
 
     def flush(self):
-        "Add the hand counts and mean scores of the forwards seen since the last flush (one micro-batch)."
+        "Add the hand counts and solved shifts of the forwards seen since the last flush (one micro-batch)."
         loops = [[] for _ in self.blocks]
         for i, x in self.seen:
-            self.counts[i] = [a + b for a, b in zip(self.counts[i], hand_counts(self.blocks[i][1], x))]
+            m = self.blocks[i][1]
+            self.counts[i] = [a + b for a, b in zip(self.counts[i], hand_counts(m, x))]
             self.calls[i] += 1
-            loops[i].append(hand_scores(self.blocks[i][1], x).mean(0))
-        for i, means in enumerate(loops):
-            if means:
-                self.means[i].append(torch.stack(means).mean(0))
+            loops[i].append(shift_by_hand(hand_scores(m, x) + m.expert_bias.float(), m.cfg.moe.top_k))
+        for i, shifts in enumerate(loops):
+            if shifts:
+                self.shifts[i].append(torch.stack(shifts).mean(0))
         self.seen = []
 
-    def center(self, i: int, step: int, others: list = ()):
-        "Block i's centring after `step`: the mean over this step's micro-batches (and `others`') of their mean scores."
-        mean = torch.stack([*self.means[i], *others]).mean(0)
-        return -(1 - step / self.blocks[i][1].cfg.moe.center_steps) * (mean - mean.mean())
+
+def first_steps_share(cfg, shifts: list, step: int):
+    "What the bias takes after `step` of its solved shifts (one a micro-batch, on every rank): weighted and centred."
+    s = torch.stack(shifts).mean(0)
+    return (1 - step / cfg.moe.center_steps) * (s - s.mean())
 
 
 def build(overrides, rank: int = 0, world: int = 1):
@@ -150,21 +152,19 @@ def train(model, counter, steps) -> list:
         trainer.step = step
         balance.after_step(trainer)
         after = [m.expert_bias.clone() for _, m in counter.blocks]
-        center = [m.score_center.clone() for _, m in counter.blocks]
-        hand_center = [counter.center(i, step) for i in range(len(counter.blocks))]
         out.append(
             dict(hand=counter.counts, calls=counter.calls, pending=pending, before=before, after=after)
-            | dict(center=center, hand_center=hand_center, means=counter.means)
+            | dict(shifts=counter.shifts)
         )
     return out
 
 
-def expected_bias(cfg, before, counts, step: int):
+def expected_bias(cfg, before, counts, step: int, shift=None):
     "The bias a fresh block of model config `cfg` with bias `before` holds after `apply_load` of `counts` at `step`."
     ref = MoE(cfg)
     with torch.no_grad():
         ref.expert_bias.copy_(before)
-    ref.apply_load(torch.tensor(counts), step)
+    ref.apply_load(torch.tensor(counts), step, shift=shift)
     return ref.expert_bias
 
 
@@ -173,9 +173,10 @@ CASES = [(p, True) for p in PLANS] + [(p, False) for p, (o, _) in PLANS.items() 
 
 @pytest.mark.parametrize("plan,early_stop", CASES)
 def test_every_block_counts_each_token_once(plan, early_stop):
-    """Each MoE block's load is the hand count of its forwards (each loop of a core), and its bias moves by it. A
-    checkpointed backward stops recomputing once it has what it needs (early stop, the default), before the count;
-    without the early stop it recomputes the whole forward, the count too, which must not count again."""
+    """Each MoE block's load is the hand count of its forwards (each loop of a core), and its bias moves by it and by
+    the shift solved by hand on those forwards. A checkpointed backward stops recomputing once it has what it needs
+    (early stop, the default), before the count; without the early stop it recomputes the whole forward, the count too,
+    which must not count again."""
     overrides, runs = PLANS[plan]
     model, counter = build(overrides)
     assert [int(n.split(".")[1]) for n, _ in counter.blocks] == list(runs)  # the MoE layers, the dense ones skipped
@@ -183,15 +184,14 @@ def test_every_block_counts_each_token_once(plan, early_stop):
         steps = train(model, counter, batches())
     for step, s in enumerate(steps, 1):
         assert s["calls"] == [2 * n for n in runs.values()]  # two micro-batches, each loop of the core once
-        for (name, m), hand, pending, before, after in zip(
-            counter.blocks, s["hand"], s["pending"], s["before"], s["after"]
+        for (name, m), hand, pending, before, after, shifts in zip(
+            counter.blocks, s["hand"], s["pending"], s["before"], s["after"], s["shifts"]
         ):
             assert pending == hand, (plan, step, name)
             assert sum(hand) == 2 * 2 * 24 * m.cfg.moe.top_k * runs[int(name.split(".")[1])]
-            assert not torch.equal(after, before), (plan, step, name)  # every block updates
-            assert torch.equal(after, expected_bias(m.cfg, before, hand, step)), (plan, step, name)
-        for center, by_hand in zip(s["center"], s["hand_center"]):  # every block centres, from every loop
-            assert center.abs().sum() > 0 and torch.allclose(center, by_hand, atol=1e-6), (plan, step)
+            shift = first_steps_share(m.cfg, shifts, step)  # solved on every loop's tokens
+            assert shift.abs().sum() > 0 and not torch.equal(after, before), (plan, step, name)  # every block updates
+            assert torch.allclose(after, expected_bias(m.cfg, before, hand, step, shift), atol=1e-6), (plan, step, name)
 
 
 def test_byte_hourglass_counts_under_its_main_layers():
@@ -238,19 +238,18 @@ def test_fsdp2_ranks_end_each_step_with_the_same_biases():
             assert torch.equal(a["before"][layer], b["before"][layer])
             assert torch.equal(a["after"][layer], b["after"][layer])  # the ranks agree, bit for bit
             both = [x + y for x, y in zip(a["hand"][layer], b["hand"][layer])]
-            assert torch.equal(a["after"][layer], expected_bias(cfg, a["before"][layer], both, step)), (step, layer)
             assert not torch.equal(a["after"][layer], a["before"][layer])
-            assert torch.equal(a["center"][layer], b["center"][layer])  # the centring too
-            hand = -(1 - step / cfg.moe.center_steps) * torch.stack(a["means"][layer] + b["means"][layer]).mean(0)
-            assert torch.allclose(a["center"][layer], hand - hand.mean(), atol=1e-6), (step, layer)
+            shift = first_steps_share(cfg, a["shifts"][layer] + b["shifts"][layer], step)  # both ranks' forwards
+            want = expected_bias(cfg, a["before"][layer], both, step, shift)
+            assert shift.abs().sum() > 0 and torch.allclose(a["after"][layer], want, atol=1e-6), (step, layer)
 
 
 def biases(run, step: int) -> dict:
-    "The balancing biases and centrings in a run's checkpoint of `step`, by name."
+    "The balancing biases in a run's checkpoint of `step`, by name."
     from cipher_nb.persist.files import load_checkpoint
 
     model = load_checkpoint(run / f"checkpoints/step_{step:07d}")["model"]
-    return {k: v for k, v in model.items() if k.endswith(("expert_bias", "score_center"))}
+    return {k: v for k, v in model.items() if k.endswith("expert_bias")}
 
 
 def test_biases_resume_bit_exactly(straight_run, tmp_path, one_thread):
@@ -269,7 +268,7 @@ def test_biases_resume_bit_exactly(straight_run, tmp_path, one_thread):
         assert want and same_weights(got, want), step
     first, last = biases(run, RESUME_EVERY), biases(run, RESUME_STEPS)
     moved = [k for k, b in first.items() if b.abs().sum() > 0 and not torch.equal(b, last[k])]  # and went on moving
-    assert sorted(moved) == sorted(k for k in first if k.endswith("expert_bias"))  # 6 steps: too short to centre
+    assert sorted(moved) == sorted(first)  # every block's
 
 
 def test_bookkeeping_reads_no_value_on_the_host():

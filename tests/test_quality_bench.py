@@ -207,18 +207,21 @@ def test_a_benchmark_step_moves_the_balancing_bias_as_training_does(tmp_path):
 
 
 def test_fixed_steps_of_a_time_budget_recipe_are_planned(tmp_path):
-    "`--plan steps` fixes the steps of a recipe with a time budget: planned from the start, so its MoE centres."
+    """`--plan steps` fixes the steps of a recipe with a time budget: planned from the start, so its MoE's bias takes
+    the first steps' solved shift from step 1 (against the same step without it: `model.moe.center_steps=0`)."""
     from types import SimpleNamespace
 
     from cipher_nb.model.moe import MoE
 
     over = ["model.n_layers=2", "training.seq_len=32", "schedule.warmup_steps=1", "schedule.time_budget=90s"]
-    a = SimpleNamespace(config=None, overrides=over, plan="steps", clock="cpu")
-    tr = quality.contender_trainer(a, "moe", 0, 1600, tmp_path / "a")[0]  # 1600 = CENTER_PLAN x center_steps
-    assert tr.schedule.planned and tr.schedule.horizon == 1600
-    quality.fit_step(tr)
-    blocks = [m for m in tr.raw_model.modules() if isinstance(m, MoE)]
-    assert blocks and all(m.score_center.abs().sum() > 0 for m in blocks), "the centring waited for a plan"
+    biases = []
+    for extra in ([], ["model.moe.center_steps=0"]):
+        a = SimpleNamespace(config=None, overrides=over + extra, plan="steps", clock="cpu")
+        tr = quality.contender_trainer(a, "moe", 0, 1600, tmp_path / f"a{len(extra)}")[0]  # 1600 = CENTER_PLAN x 200
+        assert tr.schedule.planned and tr.schedule.horizon == 1600
+        quality.fit_step(tr)
+        biases.append([m.expert_bias.clone() for m in tr.raw_model.modules() if isinstance(m, MoE)])
+    assert biases[0] and all(not torch.equal(s, b) for s, b in zip(*biases)), "the shift waited for a plan"
 
 
 @pytest.mark.parametrize(

@@ -365,9 +365,9 @@ def model_rules(m: ModelConfig) -> list:
             moe.n_routed or moe.balance_loss_weight == MoEConfig.balance_loss_weight,
             "model.moe.balance_loss_weight is set but model.moe.n_routed is 0: a dense model has no router to balance",
         ),
-        (  # the same for the centring; 0 (off) is what a stage sets on any model
+        (  # the same for the first steps' shift; 0 (off) is what a stage sets on any model
             moe.n_routed or moe.center_steps in (0, MoEConfig.center_steps),
-            "model.moe.center_steps is set but model.moe.n_routed is 0: a dense model has no router to centre",
+            "model.moe.center_steps is set but model.moe.n_routed is 0: a dense model has no router to balance",
         ),
         (
             not bp.enabled or m.vocab == 272,

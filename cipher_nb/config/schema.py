@@ -98,7 +98,7 @@ class MoEConfig:
     bias_boost_steps: int = 0  # the first optimizer steps at BIAS_BOOST (10) times bias_gamma; 0 = never
     bias_rule: BiasRule = "proportional"  # sign: DeepSeek-V3; overload: overloads faster; proportional: starved too
     bias_travel: float = 0.6  # a short run's rate: at least bias_travel / its planned steps; 0 = bias_gamma always
-    center_steps: int = 200  # the choice less each expert's mean score, fading over these steps (long runs)
+    center_steps: int = 200  # the bias takes each step's solved balance, fading over these steps (long runs)
     z_loss_weight: float = 1e-3
     balance_loss_weight: float = 0.0  # off by default since bias balancing is on (the runbook used 1e-3)
     n_pop_a: int = 0  # experts [0, n_pop_a) form population A, the rest B; 0 = one population
@@ -392,7 +392,7 @@ AT_LEAST = {  # field -> (the least value that works, what the field counts)
     "training.max_nonfinite": (1, "non-finite steps in a row before the run stops"),
     "training.early_stop_patience": (0, "evaluations without a lower val/loss before the run ends (0 = never)"),
     "model.moe.bias_boost_steps": (0, "first optimizer steps with a faster balancing bias (0 = never)"),
-    "model.moe.center_steps": (0, "first optimizer steps whose expert choice takes off the mean scores (0 = never)"),
+    "model.moe.center_steps": (0, "first optimizer steps whose bias takes the step's solved balance (0 = never)"),
     "training.fp8_min_dim": (0, "the width from which fp8 converts a linear layer"),
     "training.seed": (0, "the random seed"),
     "optim.bp_freeze_steps": (-1, "steps with the boundary predictor frozen (-1 = schedule.warmup_steps)"),
@@ -484,7 +484,7 @@ STAGE_DEFAULTS = {  # what a stage starts from instead of a pretraining preset's
         | dict(target_tokens=0, time_budget=""),
         "training": dict(eval_every=0, checkpoint_every=0, eval_at_start=True, early_stop_patience=0),
         "optim": dict(name="adamw", betas=[0.9, 0.95], weight_decay=0.1),  # the guide's AdamW, whatever pretrained
-        "model": {"moe": dict(center_steps=0)},  # a trained router's balance is in its bias: nothing to take off
+        "model": {"moe": dict(center_steps=0)},  # a trained router's balance is in its bias already
     },
     # one pass over its prepared data (cipher_nb.config.stages says when a refinement keeps a horizon of its own)
     "refinement": {

@@ -162,8 +162,10 @@ def collect_metrics(stats: dict, top_k: int = 1) -> dict:
                 out.update(expert_loads(v, f"router/layer{i}_load_"))
         elif what == "cross_pop_overlap":
             overlaps.append(v)
-        elif what == "score_mean":  # how far apart the experts' mean scores are: what the centring takes off
+        elif what == "score_mean":  # how far apart the experts' mean scores are: an offset the bias must undo
             out[f"router/layer{i}_score_spread"] = max(v) - min(v)
+        elif what == "balance_shift":  # one scalar a layer, not one per expert
+            out[f"router/layer{i}_solved_shift"] = max(map(abs, v))
         else:
             _expand(f"router/layer{i}_{_LAYER_NAMES.get(what, what)}", v, out)
     if overlaps:

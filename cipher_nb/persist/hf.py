@@ -236,7 +236,7 @@ def hf_state_dict(sd: dict, m: ModelConfig, arch: str) -> dict:
         out[q + "mlp.experts.gate_up_proj"] = torch.cat([sd[p + "ffn.experts.w_gate"], sd[p + "ffn.experts.w_up"]], 1)
         out[q + "mlp.experts.down_proj"] = sd[p + "ffn.experts.w_down"]
         if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
-            bias = sd[p + "ffn.expert_bias"] + sd.get(p + "ffn.score_center", 0)  # both move the choice alike
+            bias = sd[p + "ffn.expert_bias"]
             out[q + "mlp.gate.e_score_correction_bias"] = bias if m.moe.bias_balance else torch.zeros_like(bias)
             if m.moe.n_shared:
                 out.update(_swiglu(sd, p + "ffn.shared", q + "mlp.shared_experts"))

@@ -177,16 +177,16 @@ class MoEBalancing(Callback):
         self.load, self.forwards = {}, 0
 
     def after_forward(self, trainer, out):
-        "Add a micro-batch's counts (whole numbers, so exact as int64) and mean scores, as its forward returned them."
+        "Add a micro-batch's counts (whole numbers, so exact as int64) and solved shifts, as its forward returned them."
         for k, v in out.stats.items():
             if k.endswith("expert_counts"):
                 self.load[k] = self.load.get(k, 0) + v.long()
-            elif k.endswith("score_mean"):
+            elif k.endswith("balance_shift"):
                 self.load[k] = self.load.get(k, 0) + v
         self.forwards += 1
 
     def after_step(self, trainer):
-        # on every rank, for every block at once; the plan's length sets a short run's rate and the centring
+        # on every rank, for every block at once; the plan's length sets a short run's rate and the shift's weight
         s = trainer.schedule
         update_moe_biases(trainer.raw_model, self.load, trainer.step, s.max_steps, self.forwards, s.planned)
         self.load, self.forwards = {}, 0
