@@ -110,7 +110,7 @@ def test_checkpointed_compiled_block_equals_eager(ac, backend):
 
 
 def test_compiled_step_has_no_graph_breaks():
-    "The Block (and the MoE alone) in training and in evaluation: one graph, no break, no reason given for one."
+    "The Block (and the MoE alone) in training, solving or not, and in evaluation: one graph, no break, no reason."
     x, cos, sin = _inputs()
     blk = _block("auto")
     for train in (True, False):
@@ -120,6 +120,10 @@ def test_compiled_step_has_no_graph_breaks():
         torch._dynamo.reset()
         ex = torch._dynamo.explain(MoE(CFG).train(train))(x)
         assert (ex.graph_count, ex.graph_break_count, ex.break_reasons) == (1, 0, []), train
+    blk.ffn.solving = True  # the first steps' forwards also solve their balance shift: still one graph
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(blk.train())(x, cos, sin)
+    assert (ex.graph_count, ex.graph_break_count, ex.break_reasons) == (1, 0, [])
 
 
 @pytest.mark.parametrize("impl", ["auto", "bmm"])

@@ -13,7 +13,7 @@ import torch.nn as nn
 from conftest import shift_by_hand
 
 from cipher_nb.config.load import ModelConfig
-from cipher_nb.model.moe import MoE, bias_rate, bias_step, moe_layers, update_moe_biases
+from cipher_nb.model.moe import MoE, bias_rate, bias_step, moe_layers, set_solving, update_moe_biases
 
 CFG = ModelConfig(d_model=16, moe=dict(n_routed=6, n_shared=0, top_k=2, expert_d_ff=8, bias_gamma=0.1))
 
@@ -24,6 +24,7 @@ def _model():
     model = nn.Module()
     ffns = MoE(CFG), MoE(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, top_k=1)))
     model.layers = nn.ModuleList(nn.ModuleDict({"ffn": f}) for f in ffns)
+    assert set_solving(model, 1)  # step 1's forwards solve the shift its bias takes
     return model
 
 

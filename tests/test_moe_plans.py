@@ -24,7 +24,7 @@ from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_we
 from cipher_nb.config.load import ModelConfig, load_config
 from cipher_nb.core import DistEnv
 from cipher_nb.model.lm import CipherModel
-from cipher_nb.model.moe import MoE, moe_layers, update_moe_biases
+from cipher_nb.model.moe import MoE, moe_layers, set_solving, update_moe_biases
 from cipher_nb.optim.parallel import parallelize
 from cipher_nb.train.builder import MoEBalancing
 
@@ -133,7 +133,7 @@ def batches(rank: int = 0, steps: int = 2, micro: int = 2):
 def train(model, counter, steps) -> list:
     "Optimizer steps as the trainer runs them, with its balancing callback: what each step counted and moved."
     opt, out, balance = torch.optim.SGD(model.parameters(), lr=0.5), [], MoEBalancing()
-    trainer = SimpleNamespace(raw_model=model, schedule=SimpleNamespace(max_steps=None, planned=True))
+    trainer = SimpleNamespace(raw_model=model, schedule=SimpleNamespace(max_steps=None, planned=True), step=0)
     key = {id(m): k for k, m in moe_layers(model).items()}  # each block's stats key, checked by its hand count
     for step, micro in enumerate(steps, 1):
         counter.reset()
@@ -284,6 +284,7 @@ def test_bookkeeping_reads_no_value_on_the_host():
     try:
         with FakeTensorMode():
             m = MoE(dataclasses.replace(cfg, moe=moe)).train()
+            assert set_solving(m, 1)  # the first steps' solve too
             x = torch.randn(2, 16, cfg.d_model, requires_grad=True)
             balance = MoEBalancing()
             for _ in range(2):  # two micro-batches

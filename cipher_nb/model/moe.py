@@ -10,7 +10,7 @@ __all__ = ['GROUP_ALIGN', 'FUSED_GATE_UP_ROWS', 'MOE_IMPLS', 'GROUPED_DTYPES', '
            'balance_loss', 'ortho_loss', 'cross_pop_overlap', 'expert_load_stats', 'DispatchPlan', 'dispatch_plan',
            'sum_token_rows', 'grouped_mm', 'grouped_mm_op', 'compute_dtype', 'bmm_capacity', 'expert_products',
            'RoutedExperts', 'SharedProjectionExperts', 'resolve_moe_impl', 'expert_width', 'bias_rate', 'center_weight',
-           'bias_step', 'balance_shift', 'MoE', 'moe_layers', 'update_moe_biases', 'moe_kernels_used']
+           'bias_step', 'balance_shift', 'MoE', 'moe_layers', 'update_moe_biases', 'set_solving', 'moe_kernels_used']
 
 # %% ../../nbs/05_model_moe.ipynb #5ee5504f
 import math
@@ -521,6 +521,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_load_state_dict_pre_hook(_fold_center)
         self.kernel = None  # the expert path ('grouped', 'bmm' or 'loop') the last forward took (see `path`)
+        self.solving = False  # forwards solve their balance shift (`set_solving`: the steps whose bias takes it)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -615,7 +616,7 @@ class MoE(nn.Module):
         if c.moe.bias_balance:  # how far the balancing has had to push: the largest bias in the layer
             s["bias_drift"] = self.expert_bias.abs().max()
             s["score_mean"] = scores.mean(0)  # [E] each expert's mean score (the monitor's spread)
-            if c.moe.center_steps > 0:  # what would have evened out this choice: the first steps' bias takes it
+            if self.solving:  # what would have evened out this choice: the first steps' bias takes it
                 s["balance_shift"] = balance_shift(scores + self.expert_bias.to(scores.dtype), c.moe.top_k)
         return s
 
@@ -666,7 +667,7 @@ def update_moe_biases(
         keys = [k.removesuffix("expert_counts") + "balance_shift" for k in layers]
         missing = [k for k in keys if k not in loads]
         if missing:
-            raise ValueError(f"no solved shifts for {', '.join(missing)}: pass the stats of the step's forwards summed")
+            raise ValueError(f"no solved shifts for {', '.join(missing)}: its forwards did not solve (`set_solving`)")
         solved = torch.stack([loads[k].to(dev) for k in keys])  # [layers, E] each forward's shift, summed
         if ranks:
             dist.all_reduce(solved)
@@ -675,6 +676,15 @@ def update_moe_biases(
     for m, load, shift in zip(layers.values(), counts, shifts):
         m.apply_load(load, step, horizon, shift)
     return len(layers)
+
+# %% ../../nbs/05_model_moe.ipynb #343a3cd7
+def set_solving(model: nn.Module, step: int, horizon: int = None, planned: bool = True) -> bool:
+    "Have every `MoE` of `model` solve its balance shift in the forwards of optimizer `step` if its bias takes it."
+    on = False
+    for m in moe_layers(model).values():
+        m.solving = planned and center_weight(m.cfg.moe, step, horizon) > 0
+        on = on or m.solving
+    return on
 
 # %% ../../nbs/05_model_moe.ipynb #78783878
 def moe_kernels_used(model: nn.Module) -> str:

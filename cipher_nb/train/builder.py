@@ -50,7 +50,7 @@ from ..data.curriculum import Curriculum
 from ..data.sources import data_fingerprint
 from ..model.boundary import BoundaryPredictor
 from ..model.lm import CipherModel
-from ..model.moe import update_moe_biases
+from ..model.moe import set_solving, update_moe_biases
 from ..model.roles import params_with_role
 from ..monitor.health import LOADS_FILE, MonitorCallback, Utilization
 from ..monitor.metrics import GPUUtilization, device_peak_flops, heldout_metrics
@@ -171,10 +171,13 @@ class MoEBalancing(Callback):
 
     def __init__(self):
         self.load, self.forwards = {}, 0  # stats key -> [E] summed over the step's micro-batches so far; how many
+        self.solving = False  # whether this step's forwards solve the shift its bias takes
 
     def before_step(self, trainer):
-        "Drop the routing stats a skipped step left behind: that step never happened."
+        "Drop the routing stats a skipped step left behind (that step never happened); say which forwards solve."
         self.load, self.forwards = {}, 0
+        s = trainer.schedule
+        self.solving = set_solving(trainer.raw_model, trainer.step + 1, s.max_steps, s.planned)
 
     def after_forward(self, trainer, out):
         "Add a micro-batch's counts (whole numbers, so exact as int64) and solved shifts, as its forward returned them."
@@ -188,7 +191,8 @@ class MoEBalancing(Callback):
     def after_step(self, trainer):
         # on every rank, for every block at once; the plan's length sets a short run's rate and the shift's weight
         s = trainer.schedule
-        update_moe_biases(trainer.raw_model, self.load, trainer.step, s.max_steps, self.forwards, s.planned)
+        # a budget's plan made during this step: its forwards did not solve, so the shift waits for the next
+        update_moe_biases(trainer.raw_model, self.load, trainer.step, s.max_steps, self.forwards, self.solving)
         self.load, self.forwards = {}, 0
 
 # %% ../../nbs/11a_train_builder.ipynb #59abbebb
