@@ -21,6 +21,7 @@ Contenders (all with the same shared experts, and the same loss `(y * g).sum()` 
   ours[grouped]+topk+fused  topk and always fused: the block as it was before these candidates
   ours[grouped]+stored      gate and up stored as one [E, 2h, d] weight: one product, no per-step concatenation
   ours[bmm] forced          one batched product, every expert padded to the largest load
+  ours+solving              the block of a run's first steps, which also solves its balance shift (`MoE.solving`)
 """
 
 import copy
@@ -173,6 +174,9 @@ def candidates(cfg, device, dtype):
     "The CPU speed candidates: name -> (module, forward)."
     m = stored(MoE(cfg).to(device, dtype))
     out = {"ours[grouped]+stored": (m, lambda x, m=m: _with_aux(m(x)))}
+    m = MoE(cfg).to(device, dtype)
+    m.solving = True  # as in the first steps of a long run (`set_solving`)
+    out["ours+solving"] = (m, lambda x, m=m: _with_aux(m(x)))
     for suffix, (topk, fused) in VARIANTS.items():
         m = MoE(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl="grouped"))).to(device, dtype)
 
