@@ -17,7 +17,8 @@ Rows run only when named in `--rows`:
 Each row builds its model and optimizer with the project's own builders (`build_model`, `build_optimization`: the
 precision, compilation and wrappers a `cipher-train` run gets) and times `Trainer.train_step` with the loss-free
 balancing callback, on random token batches already on the device (the data pipeline is not measured; "real"
-routing is a freshly initialized router's choice on those tokens, not a trained one's). Columns:
+routing is a freshly initialized router's choice on those tokens, not a trained one's; the steady state, without the
+first steps' balance solve). Columns:
 tokens/s; MFU = tokens/s x (6 x active parameters + causal attention) FLOPs per token over the GPU's dense bf16 peak
 (`cipher_nb.monitor.metrics.PEAK_BF16_FLOPS`), no recomputation counted; the MoE/dense throughput ratio; the peak
 memory of the timed steps beside `cipher-plan`'s prediction (`cipher_nb.train.plan.trace_step`, fake tensors on the
@@ -114,7 +115,9 @@ def smoke_moe(cfg) -> list:
 
 def row_config(row: Row, smoke: bool, device: str, extra: tuple = ()):
     "The row's config: its preset and overrides, shrunk for `--smoke`, on `device`."
-    path, overrides = CONFIGS / row.preset, [*row.overrides, f"training.device={device}", *extra]
+    # the steady state: a long run's first steps also solve their balance shift (`MoE.solving`), 200 of thousands
+    steady = ["model.moe.center_steps=0"]
+    path, overrides = CONFIGS / row.preset, [*steady, *row.overrides, f"training.device={device}", *extra]
     if not smoke:
         return load_config(path, overrides)
     return load_config(path, [*SMOKE, *smoke_moe(load_config(path)), *overrides])
