@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, run_in_process, same_weights, shift_by_hand
+from conftest import RESUME, RESUME_EVERY, RESUME_STEPS, rows, run_in_process, same_weights, shift_by_hand
 
 from cipher_nb.config.load import ModelConfig, load_config
 from cipher_nb.core import DistEnv
@@ -269,6 +269,30 @@ def test_biases_resume_bit_exactly(straight_run, tmp_path, one_thread):
     first, last = biases(run, RESUME_EVERY), biases(run, RESUME_STEPS)
     moved = [k for k, b in first.items() if b.abs().sum() > 0 and not torch.equal(b, last[k])]  # and went on moving
     assert sorted(moved) == sorted(first)  # every block's
+
+
+# the first steps' solved shift inside a short plan: center_steps 3 needs CENTER_PLAN x 3 = 24 planned steps, and
+# then steps 1 and 2 take it
+SHIFTED = [*RESUME, "schedule.max_steps=24", "model.moe.center_steps=3"]
+
+
+def test_biases_resume_bit_exactly_within_the_first_steps_shift(tmp_path, one_thread):
+    """Stopped by SIGTERM after step 1, the first of the two steps whose bias takes the solved shift, and resumed: the
+    resumed run solves again in step 2 and its biases end bit for bit where the uninterrupted run's do."""
+    from cipher_nb.train.cli import cipher_train
+
+    straight, run = tmp_path / "straight", tmp_path / "stopped"
+    r = run_in_process(cipher_train, "--out", straight, "--quiet", *SHIFTED, pos=["config"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    solved = [row["step"] for row in rows(straight) if any(k.endswith("_solved_shift") for k in row)]
+    assert solved == [1, 2]  # the steps whose forwards solved (one log row a step)
+    r = run_in_process(cipher_train, "--out", run, "--quiet", *SHIFTED, "--fault", "sigterm@1", pos=["config"])
+    assert r.returncode == 0 and not (run / "final").exists(), r.stderr[-2000:]
+    r = run_in_process(cipher_train, "--out", run, "--quiet", "--resume", "auto", *SHIFTED, pos=["config"])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+    assert [row["step"] for row in rows(run) if any(k.endswith("_solved_shift") for k in row)] == [1, 2]
+    want, got = biases(straight, 24), biases(run, 24)  # the last checkpoint (older ones are rotated out)
+    assert want and same_weights(got, want)
 
 
 def test_bookkeeping_reads_no_value_on_the_host():
