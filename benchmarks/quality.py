@@ -168,7 +168,7 @@ def contender_trainer(a, name: str, seed: int, steps: int, run_dir: Path):
     tr = build_trainer(cfg, run_dir, progress=False)
     tr.schedule.clock = time.process_time if a.clock == "cpu" else time.perf_counter
     if not budgeted(a, name):  # the calibration planned these steps: nothing waits for the time budget's plan
-        tr.schedule.planned = True  # (the MoE's centring does; only Trainer.fit, not this script's loop, would make it)
+        tr.schedule.planned = True  # (the MoE's first-steps shift does; only Trainer.fit, not this loop, would make it)
     tr.checkpoints = None
     keep = (MoEBalancing, BoundarySchedule)  # the step keeps its bias balancing and its boundary predictor's schedule
     tr.callbacks = [cb for cb in tr.callbacks if isinstance(cb, keep)]

@@ -37,7 +37,7 @@ GPU_PRESETS = [p for p in PRESETS if "cpu" not in p.stem]  # h100, wide-h100, fl
 
 
 def same_model(stage, preset) -> bool:
-    "A stage's model is the preset's, but for the centring of a fresh router's first steps, which a stage turns off."
+    "A stage's model is the preset's, but for the shift of a fresh router's first steps, which a stage turns off."
     moe = dataclasses.replace(stage.moe, center_steps=preset.moe.center_steps)
     return stage.moe.center_steps == 0 and dataclasses.replace(stage, moe=moe) == preset
 

@@ -451,7 +451,7 @@ def bias_rate(m, step: int | None = None, horizon: int | None = None) -> float:
     return gamma * (BIAS_BOOST if step is not None and step <= m.bias_boost_steps else 1)
 
 # %% ../../nbs/05_model_moe.ipynb #909df2be
-CENTER_PLAN = 8  # the centring runs only in runs planned for at least this many times `center_steps`
+CENTER_PLAN = 8  # the first steps' shift runs only in runs planned for at least this many times `center_steps`
 
 
 def center_weight(m, step: int | None = None, horizon: int | None = None) -> float:
@@ -459,7 +459,7 @@ def center_weight(m, step: int | None = None, horizon: int | None = None) -> flo
     if step is None or not m.bias_balance or m.center_steps == 0 or m.bias_gamma == 0:
         return 0.0  # no step of a plan (a hand-made update), no balancing, no shift, or a frozen balance (LoRA)
     if horizon and horizon < CENTER_PLAN * m.center_steps:
-        return 0.0  # too short a run to win back what the centring costs
+        return 0.0  # too short a run to win back what the shift costs
     return max(0.0, 1 - step / m.center_steps)
 
 # %% ../../nbs/05_model_moe.ipynb #7bb1cae9
