@@ -120,7 +120,7 @@ def test_tiny_cpu_is_the_default():
 
 
 def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
-    "The 90-second preset: the default but for the step shape, the budget, the eval size, Muon, 8 experts and Engram."
+    "The 90-second preset: the default but for the step shape, budget, eval size, Muon, 8 experts, their bias, Engram."
     from dataclasses import asdict
 
     from cipher_nb.config.load import Config, load_config, parse_duration
@@ -134,7 +134,7 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     assert asdict(p.data) == asdict(d.data)
     assert asdict(p.model) == {
         **asdict(d.model),
-        "moe": {**asdict(d.model.moe), "n_routed": 8},
+        "moe": {**asdict(d.model.moe), "n_routed": 8, "bias_gamma": 3e-3},
         "engram": {**asdict(d.model.engram), "layers": [1, 2]},
     }
     changed = {k for k, v in asdict(p.training).items() if v != asdict(d.training)[k]}
