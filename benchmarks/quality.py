@@ -27,9 +27,10 @@ Contenders (all built from the same config: the defaults, i.e. `tiny-cpu`, or `-
   mla        the MoE with multi-head latent attention in place of grouped-query attention
   dense+engram, moe+engram  dense / moe with Engram memory read by every layer but the first and the last
 
-Two phases. First the step costs, side by side in this one process: every contender's trainer is built, warmed up, then
-timed in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round), on
-`--threads` torch threads, and each contender's cost is the median of its rounds. `--clock cpu` (default) is the
+Two phases. First the step costs, side by side in this one process: every contender's trainer is built (its MoE past
+the first steps' solved shift, which a run pays only over its first `model.moe.center_steps`), warmed up, then timed
+in `--rounds` interleaved rounds of `--round-steps` training steps each (the order rotates every round), on `--threads`
+torch threads, and each contender's cost is the median of its rounds. `--clock cpu` (default) is the
 process's CPU time, `--clock wall` elapsed time. The budget (`--budget`: seconds, or "90s", "8m", "2h") then buys each
 contender `budget / cost` steps, and each trains exactly that many (its own process, its cosine schedule ending at its
 last step), so the held-out figures do not depend on how busy the machine was during training: a run that happened to
@@ -215,6 +216,19 @@ def peak_rss_gb() -> float:
         return mem_gb("cpu")
 
 
+# The calibration times the step a run takes for nearly all its steps. An MoE's first `center_steps` steps also solve
+# their balance shift (10 more top-k passes per block), but only in plans of at least CENTER_PLAN x center_steps steps,
+# where they are a small share; the calibration's million-step plan would time that solve in every round.
+STEADY = ["model.moe.center_steps=0"]
+
+
+def calibration_trainer(a, name: str, run_dir: Path):
+    "Contender `name`'s trainer as the calibration times it: a long plan, past the MoE's first steps' solved shift."
+    return contender_trainer(
+        argparse.Namespace(**{**vars(a), "overrides": [*a.overrides, *STEADY]}), name, 0, 10**6, run_dir
+    )[0]
+
+
 def calibrate(a, names: list) -> dict:
     "Seconds per training step of each contender: median of interleaved timed rounds in this process."
     import torch
@@ -223,7 +237,7 @@ def calibrate(a, names: list) -> dict:
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     times = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
-        trs = {n: contender_trainer(a, n, 0, 10**6, Path(tmp) / n)[0] for n in names}
+        trs = {n: calibration_trainer(a, n, Path(tmp) / n) for n in names}
         for tr in trs.values():
             for _ in range(a.round_steps):
                 fit_step(tr)  # warm-up: allocator, caches, first-call paths

@@ -224,6 +224,25 @@ def test_fixed_steps_of_a_time_budget_recipe_are_planned(tmp_path):
     assert biases[0] and all(not torch.equal(s, b) for s, b in zip(*biases)), "the shift waited for a plan"
 
 
+def test_the_calibration_times_the_steady_step_not_the_first_steps_solve(tmp_path):
+    """The calibration's trainer plans a long run, as a contender's run of many steps does, but times the step past
+    the first steps' solved shift (which that run pays only over its first `center_steps`); a run's trainer solves."""
+    from types import SimpleNamespace
+
+    over = ["model.n_layers=2", "training.seq_len=32", "schedule.warmup_steps=1"]
+    a = SimpleNamespace(config=None, overrides=over, plan="steps", clock="cpu")
+    solving = []
+    for tr in (
+        quality.contender_trainer(a, "moe", 0, 10**6, tmp_path / "run")[0],
+        quality.calibration_trainer(a, "moe", tmp_path / "cal"),
+    ):
+        quality.fit_step(tr)
+        solving.append(next(cb.solving for cb in tr.callbacks if hasattr(cb, "solving")))
+    assert solving == [True, False]
+    assert a.overrides == over  # the calibration's override stays out of the runs' overrides
+    assert quality.calibration_trainer(a, "dense", tmp_path / "dense").raw_model  # a dense model takes it too
+
+
 @pytest.mark.parametrize(
     "args, says",
     [(["--jobs", "0"], "--jobs must be at least 1"), (["--contenders", "nope"], "unknown contender 'nope'")],
