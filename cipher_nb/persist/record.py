@@ -49,7 +49,8 @@ def hardware_info() -> dict:
     "The machine: CPU, cores, memory, GPUs, and the Python, torch and CUDA versions."
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+        with open("/proc/cpuinfo") as f:  # closed here, not left to the collector (a ResourceWarning in every run)
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
     try:
