@@ -7,11 +7,15 @@ steps, that any expert spends under a quarter of an even share (target: at most 
 The loads are the monitor's per-expert loads (each expert's share over the mean: 1 is an even share), one value per
 logged row, read as the gate and the plots read them (`cipher_nb.monitor.health.row_loads`: the row's
 `router/layerN_load_E` keys, or `expert_loads.jsonl` for a model over 1,024 experts), so the stretch counts the log
-interval per row under a quarter. The last `val/bpb` is printed beside them.
+interval per row under a quarter. Beside them, where the run logged it, the median from step 30 of
+`router/layerN_batch_max_load`: one batch's busiest expert over the mean, averaged over each row's forwards. Far
+above the window's figure, it says the busiest expert changes from batch to batch (each batch still goes mostly to one
+expert), which window-averaged loads cannot show. The last `val/bpb` is printed beside them.
 """
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from cipher_nb.monitor.health import LOADS_FILE, attach_loads, row_loads
@@ -55,6 +59,12 @@ def longest_starved(steps: list, loads: list, start: int = 30, below: float = 0.
     return longest
 
 
+def batch_busiest(rows: list, layer: int, start: int = 30) -> float | None:
+    "The median from `start` of the rows' `router/layer{layer}_batch_max_load` (None: the run did not log it)."
+    xs = [r[k] for r in rows if r.get("step", 0) >= start and (k := f"router/layer{layer}_batch_max_load") in r]
+    return statistics.median(xs) if xs else None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="run directories written by cipher-train")
@@ -63,7 +73,11 @@ def main():
         layers = layer_loads(rows)
         if not layers:
             raise SystemExit(f"routing_targets: {run} logged no per-expert loads (router/layerN_load_E)")
-        parts = [f"L{L}: {worst_window(s, x):.2f}x, {longest_starved(s, x)} starved" for L, (s, x) in layers.items()]
+        parts = []
+        for L, (s, x) in layers.items():
+            b = batch_busiest(rows, L)
+            per_batch = "" if b is None else f", per batch {b:.2f}x"
+            parts.append(f"L{L}: {worst_window(s, x):.2f}x, {longest_starved(s, x)} starved{per_batch}")
         bpb = [r["val/bpb"] for r in rows if "val/bpb" in r]
         print(f"{run.name}: " + " | ".join(parts) + (f" | val/bpb {bpb[-1]:.4f}" if bpb else ""))
 

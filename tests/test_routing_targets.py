@@ -13,7 +13,7 @@ def _run(tmp_path, loads_by_step, big=False):
     "A run directory whose rows (every 10 steps from 0) hold these per-expert loads of layer 1."
     rows = []
     for step, loads in loads_by_step:
-        row = {"step": step, "router/layer1_max_load": max(loads)}
+        row = {"step": step, "router/layer1_max_load": max(loads), "router/layer1_batch_max_load": step / 10}
         if not big:
             row.update({f"router/layer1_load_{e}": x for e, x in enumerate(loads)})
         rows.append(row)
@@ -36,6 +36,9 @@ def test_windows_and_starved_stretch_by_hand(tmp_path):
     assert L == 1 and steps == list(range(0, 130, 10))
     assert rt.worst_window(steps, loads) == 3.0  # steps 30-79: expert 0 at 3x the mean (1)
     assert rt.longest_starved(steps, loads) == 50  # experts 2, 3: rows 30..70, five rows of 10 steps
+    rows = rt.read_rows(tmp_path)
+    assert rt.batch_busiest(rows, 1) == 7.5  # the median of 3, 4, ..., 12 (rows from step 30)
+    assert rt.batch_busiest(rows, 2) is None  # a layer that never logged it
 
 
 def test_loads_in_their_own_file_read_the_same(tmp_path):

@@ -607,6 +607,8 @@ class MoE(nn.Module):
         pm = p.mean(0)  # [E] the batch's routing distribution
         s = dict(
             expert_counts=counts.float(),
+            # this batch's busiest expert over the mean: a window's loads, summed, hide a busiest expert that rotates
+            batch_max_load=counts.max() / counts.float().mean().clamp_min(1e-12),
             router_entropy=-torch.xlogy(p, p).sum(-1).mean(),
             router_mean_entropy=-torch.xlogy(pm, pm).sum(),
             router_lse=lse.mean(),
