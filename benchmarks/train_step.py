@@ -1,7 +1,8 @@
 """Training-step benchmarks of `tiny-cpu` (the `cipher-train` default), each side by side in one process.
 
-    python benchmarks/train_step.py [--bench monitor|compile|ac|all] [--steps 30] [--rounds 3] [overrides a.b=c ...]
+    python benchmarks/train_step.py [--bench monitor|compile|ac|clip|all] [--steps 30] [--rounds 3] [a.b=c ...]
     python benchmarks/train_step.py --bench versions --other ../old-checkout [--threads 2]
+    python benchmarks/train_step.py --bench clip [--config examples/configs/tiny-cpu-90s.yaml] [--rounds 200]
 
 monitor: step time and tokens/s with and without the monitor and the other callbacks: what watching a run costs.
 One trainer is built the way `cipher-train` builds it; the contenders alternate for `--rounds` rounds of `--steps`
@@ -24,6 +25,12 @@ commit), each in its own process on `--threads` torch threads, the processes tak
 Each builds the trainer its own `cipher-train` builds with no arguments and times `--steps` steps of the loop's work
 (the train step, plus the log row every `training.log_every` steps) after 5 warm-up steps; it reports the median ms
 per step, bytes per second and its process's peak RSS. Goal (issue 26): tokens/s at least 1.3x, peak RSS no higher.
+
+clip: the gradient clip of one step of `--config`'s model (default tiny-cpu), on the gradients of a real step: torch's
+`clip_grad_norm_` over every gradient and again over each clip group (`optim.clip_groups`, the routed experts by
+default), which is how the trainer clipped before `clip_grads`, against `Trainer.clip` (`clip_grads`: one read and one
+write of each gradient). The two alternate for `--rounds` rounds, each from the same saved gradients, on the torch
+threads the process has; the median ms of each, and the median step of the same trainer for scale.
 """
 
 import argparse
@@ -141,6 +148,44 @@ def bench_monitor(a):
     print(f"overhead of the monitor and callbacks: {100 * over:+.1f}% (goal < 3%)")
 
 
+def bench_clip(a):
+    cfg = load_config(a.config, [*QUIET, *a.overrides])
+    with tempfile.TemporaryDirectory() as d:
+        tr = bare_trainer(cfg, d)
+        steps = []
+        for _ in range(20):  # warm-up, then the step's own time for scale
+            t0 = time.perf_counter()
+            tr.train_step()
+            steps.append(time.perf_counter() - t0)
+        tr.forward_backward([next(tr.batches)])
+        params = [p for p in tr.model.parameters() if p.grad is not None]
+        saved = [p.grad.clone() for p in params]
+        limit, limits = cfg.optim.grad_clip or float("inf"), cfg.optim.clip_groups
+
+        def torch_twice():
+            torch.nn.utils.clip_grad_norm_(params, limit)
+            for k, group in tr.clip_groups.items():
+                torch.nn.utils.clip_grad_norm_([p for p in group if p.grad is not None], limits[k])
+
+        times = {"clip_grad_norm_ twice": [], "clip_grads": []}
+        for _ in range(a.rounds):
+            for name, fn in (("clip_grad_norm_ twice", torch_twice), ("clip_grads", tr.clip)):
+                torch._foreach_copy_([p.grad for p in params], saved)
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    step = 1000 * statistics.median(steps[5:])
+    n = sum(g.numel() for g in saved)
+    grouped = sum(p.grad.numel() for ps in tr.clip_groups.values() for p in ps if p.grad is not None)
+    print(f"clip of one step of {a.config or 'tiny-cpu'}: {n} gradient values, {grouped} in clip groups {limits}")
+    print(f"{torch.get_num_threads()} torch threads, median of {a.rounds} rounds; the step itself {step:.1f} ms")
+    base = statistics.median(times["clip_grad_norm_ twice"])
+    print(f"{'contender':<24}{'ms':>8}{'x twice':>9}{'% of step':>11}")
+    for name, ts in times.items():
+        s = statistics.median(ts)
+        print(f"{name:<24}{1000 * s:>8.3f}{s / base:>9.2f}{100000 * s / step:>11.2f}")
+
+
 def compile_times(a, model_overrides) -> dict:
     "Median warm ms/step of eager and compiled trainers on the same config (or the compile error), alternating."
     trainers, times = {}, {}
@@ -216,14 +261,21 @@ def bench_ac(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", choices=["monitor", "compile", "ac", "versions", "all"], default="monitor")
+    p.add_argument("--bench", choices=["monitor", "compile", "ac", "versions", "clip", "all"], default="monitor")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--other", help="versions: the checkout to compare this one with")
     p.add_argument("--threads", type=int, default=2, help="versions: torch threads of each process")
+    p.add_argument("--config", help="clip: the model's preset (default tiny-cpu)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
-    benches = (("monitor", bench_monitor), ("compile", bench_compile), ("ac", bench_ac), ("versions", bench_versions))
+    benches = (
+        ("monitor", bench_monitor),
+        ("compile", bench_compile),
+        ("ac", bench_ac),
+        ("versions", bench_versions),
+        ("clip", bench_clip),
+    )
     for name, fn in benches:
         if a.bench == name or (a.bench == "all" and name != "versions"):
             fn(a)
