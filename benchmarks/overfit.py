@@ -32,8 +32,9 @@ steps each run is scored on the validation and test files and on a fixed sample 
 size, all in evaluation mode (no dropout): bits per byte from `cipher_nb.monitor.metrics.heldout_metrics`, each model
 at the row length it trained at. The gap is test bpb minus training bpb at the end.
 
-Writes `--out`.md (one table per budget and the winner of each), `--out`.json (every run, with its curves) and
-`--out`.png (test bpb against seconds, one panel per budget).
+Writes `--out`.md (one table per budget, the paired verdict of each fix against the recipe and of the recipe against
+the minimal GPT over 2+ seeds, and the winner), `--out`.json (every run, with its curves) and `--out`.png (test bpb
+against seconds, one panel per budget).
 """
 
 import argparse
@@ -303,7 +304,25 @@ def budget_table(runs: list, names: list, budget: float) -> str:
         (n for n in names if any(r["name"] == n for r in runs)),
         key=lambda n: mean_sd([r["test"] for r in runs if r["name"] == n])[0],
     )
+    pairs = fix_verdicts([r for r in runs if r["name"] in names], names)
+    if pairs:
+        lines += ["", "paired by seed (test bpb, contender - reference; 95% t interval on the mean):", "", *pairs]
     return "\n".join([*lines, "", f"lowest test bpb at {budget:g} s: **{win}**"])
+
+
+def fix_verdicts(runs: list, names: list) -> list:
+    "Each fix against the plain recipe, the recipe against the minimal GPT: a verdict line per pair with 2+ seeds."
+    from cipher_nb.eval.verdict import paired_verdict, verdict_line
+
+    test = {(r["name"], r["seed"]): r["test"] for r in runs}
+    out = []
+    for a, b in [(n, "recipe") for n in names if n.startswith("recipe+")] + [("recipe", BASELINE)]:
+        seeds = sorted(s for n, s in test if n == a and (b, s) in test)
+        if len(seeds) > 1:  # one seed has no interval
+            out.append(
+                "- " + verdict_line(paired_verdict([test[a, s] for s in seeds], [test[b, s] for s in seeds], (a, b)))
+            )
+    return out
 
 
 def plot(runs: list, names: list, budgets: list, path: Path):

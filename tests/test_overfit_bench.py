@@ -31,3 +31,17 @@ def test_the_corpus_is_cut_into_whole_files_in_order(tmp_path):
     assert {k: [f.name for f in v] for k, v in cut.items()} == dict(train=["f0", "f2"], val=["f3"], test=["f4"])
     with pytest.raises(SystemExit, match="too few bytes"):
         overfit.cut_corpus(files, dict(train=5000))
+
+
+def run(name, seed, test):
+    return dict(name=name, seed=seed, test=test, val=test, train=test - 0.5, gap=0.5, steps=9, planned=9, best_step=9)
+
+
+def test_each_fix_gets_a_paired_verdict_against_the_recipe():
+    runs = [run("recipe", s, t) for s, t in enumerate((2.0, 2.1, 1.9))]
+    runs += [run("recipe+dropout", s, t) for s, t in enumerate((2.05, 2.12, 1.98))]  # +0.05 +0.02 +0.08
+    table = overfit.budget_table(runs, ["recipe", "recipe+dropout"], 240.0)
+    assert "- recipe+dropout - recipe: +0.0500 [" in table and "over 3 seeds, signs +++" in table
+    assert "recipe - minimal-gpt" not in table  # no baseline ran
+    one = overfit.budget_table([r for r in runs if r["seed"] == 0], ["recipe", "recipe+dropout"], 240.0)
+    assert "paired by seed" not in one  # one seed has no interval
