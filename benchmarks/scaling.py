@@ -4,7 +4,8 @@ where they cross.
 
     python benchmarks/scaling.py --sweep full --root runs/scaling --out benchmarks/results/2026-12-02-scaling
 
-The sweeps are `cipher_nb.eval.scaling`'s SMALL_SWEEP and FULL_SWEEP, the ones `examples/04_scaling.ipynb` runs.
+The sweeps are `cipher_nb.eval.scaling`'s SMALL_SWEEP and FULL_SWEEP, the ones `examples/04_scaling.ipynb` runs, and
+DEEP_SWEEP (`--sweep deep`): the full one with three seeds and a larger budget at the narrowest widths.
 Runs are reused (`run_once`), so an interrupted sweep picks up where it stopped. The held-out runs' predictions are
 written to OUT.json before they train. Writes OUT.json (every run, each law, the predictions), OUT.md and OUT.png.
 """
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from cipher_nb.eval.scaling import (
+    DEEP_SWEEP,
     FULL_SWEEP,
     SMALL_SWEEP,
     compute_multiplier,
@@ -32,7 +34,7 @@ from cipher_nb.eval.scaling import (
 from cipher_nb.eval.verdict import paired_verdict, verdict_line
 from cipher_nb.viz.plots import plot_frontiers, plot_isoflops
 
-SWEEPS = {"small": SMALL_SWEEP, "full": FULL_SWEEP}
+SWEEPS = {"small": SMALL_SWEEP, "full": FULL_SWEEP, "deep": DEEP_SWEEP}
 PARAMS = ("E", "A", "alpha", "B", "beta")
 
 
