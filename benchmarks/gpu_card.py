@@ -24,6 +24,10 @@ tokens/s; MFU = tokens/s x (6 x active parameters + causal attention) FLOPs per 
 memory of the timed steps beside `cipher-plan`'s prediction (`cipher_nb.train.plan.trace_step`, fake tensors on the
 CPU); compile s = the warm-up steps' time beyond as many timed steps (compilation and autotuning).
 
+Below the table, issue 49's step targets: the MoE block against the dense SwiGLU of equal active FLOPs, forward and
+backward, at `benchmarks/moe.py`'s shapes of the targets (h100 preset, tiny-cpu, tiny-cpu-90s), with that script's
+contenders and timer (bf16 on the GPU), in two runs, before the rows (it takes seconds).
+
 `--limit` seconds: a row starts only when the time spent plus its estimated cost (the longest row so far, times
 1.5 for an fp8 row; `FIRST_ROW_S` before any has run) stays within the limit; one that cannot is printed SKIPPED.
 `--smoke` runs the same code at CPU-sized shapes, eagerly: the test of this script (tests/test_gpu_card.py).
@@ -33,7 +37,9 @@ CPU); compile s = the warm-up steps' time beyond as many timed steps (compilatio
     python benchmarks/gpu_card.py --smoke                                     # CPU, tiny shapes, seconds
 """
 
+import contextlib
 import gc
+import io
 import itertools
 import json
 import math
@@ -62,6 +68,9 @@ from cipher_nb.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples/configs"
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # moe.py's block contenders, also when loaded by path
+import moe as moe_bench  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,44 @@ SMOKE = [  # CPU-sized shapes; the dense FFN width stays the MoE's active width 
     "training.batch_size=2",
     "training.compile=false",  # compiling on two CPU cores costs more than the whole smoke
 ]
+
+
+BLOCK_TARGETS = {"h100 preset": 1.25, "tiny-cpu": 1.25, "tiny-cpu-90s": 1.4}  # issue 49: MoE block / dense at most
+SMOKE_BLOCK = {"smoke": (2, 32, 64, 8, 2, 32, 1)}  # (batch, seq, d_model, experts, top-k, expert width, shared)
+
+
+def block_ratios(shapes: dict, device, reps: int, runs: int = 2) -> dict:
+    "MoE block / dense time per shape, measured `runs` times by moe.py's `bench_shape` (its tables kept quiet)."
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = {name: [] for name in shapes}
+    for _ in range(runs):
+        for name, shape in shapes.items():
+            with contextlib.redirect_stdout(io.StringIO()):
+                med = moe_bench.bench_shape(name, shape, device, dtype, False, reps, warmup=2)
+            ours = next(n for n in med if n.startswith("ours["))
+            out[name].append(med[ours] / med["dense"])
+    return out
+
+
+def block_text(ratios: dict, reps: int) -> list:
+    "The block section's lines: each shape's ratio per run, whether the runs agree within 10%, and its target."
+    runs = len(next(iter(ratios.values())))
+    head = ["shape", *(f"run {i + 1}" for i in range(runs)), "runs within 10%", "target", "met"]
+    lines = [
+        "",
+        "MoE block / dense SwiGLU of equal active FLOPs, forward + backward, `benchmarks/moe.py`'s contenders and "
+        f"timer (median of {reps} interleaved repetitions a run; met: every run at or under the target and the runs "
+        "within 10% of each other):",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for name, rs in ratios.items():
+        agree, target = max(rs) <= 1.1 * min(rs), BLOCK_TARGETS.get(name)
+        met = "-" if target is None else "yes" if agree and max(rs) <= target else "no"
+        cells = [name, *(f"{r:.2f}x" for r in rs), "yes" if agree else "no", fmt(target, ".2f"), met]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def smoke_moe(cfg) -> list:
@@ -418,6 +465,7 @@ def main(
     device: str = "auto",  # auto, cuda or cpu (cpu only with --smoke)
     smoke: bool = False,  # CPU-sized shapes, eager: the test of this script
     out: str = "",  # also write the card (markdown) to this file
+    block_reps: int = 20,  # repetitions a run in the MoE block section (0: leave it out)
     peak: float = 0,  # dense bf16 FLOP/s of one GPU for MFU; 0: the GPU's own from PEAK_BF16_FLOPS
     worker: bool = False,  # internal: one rank of the expert-parallel row under torchrun
 ):
@@ -429,9 +477,18 @@ def main(
     if worker:
         return measure_rank(names[0], a)
     t0 = time.perf_counter()
-    results = run_card(names, a, limit)
+    block = []
+    if block_reps > 0:
+        shapes = SMOKE_BLOCK if smoke else {n: moe_bench.SHAPES["cpu"][n] for n in BLOCK_TARGETS}
+        reps = min(block_reps, 3) if smoke else block_reps
+        ratios = block_ratios(shapes, torch.device("cuda" if dev == "auto" else "cpu"), reps)
+        for name, rs in ratios.items():
+            print(f"block {name}: MoE / dense " + ", ".join(f"{r:.2f}x" for r in rs), flush=True)
+        block = block_text(ratios, reps)
+    results = run_card(names, a, limit - (time.perf_counter() - t0))
     peak_flops = peak or (device_peak_flops() if dev == "auto" else None)
     text = card_text(results, card_header(a, peak_flops, time.perf_counter() - t0), peak_flops)
+    text += "\n".join(block) + ("\n" if block else "")
     print("\n" + text, end="")
     if out:
         Path(out).write_text(text)

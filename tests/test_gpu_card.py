@@ -31,12 +31,21 @@ def card_run(*argv) -> tuple:
     return code, out.getvalue(), err.getvalue()
 
 
-def table(stdout: str) -> dict:
-    "The card's markdown table: row name -> {column: cell}."
-    lines = [x for x in stdout.splitlines() if x.startswith("| ")]
-    head = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [dict(zip(head, (c.strip() for c in x.strip("|").split("|")))) for x in lines[1:]]
-    return {r["row"]: r for r in rows}
+def table(stdout: str, which: int = 0) -> dict:
+    "Markdown table `which` of the card (0: the rows, 1: the MoE block's): first cell -> {column: cell}."
+    tables, prev = [], None
+    for i, x in enumerate(stdout.splitlines()):
+        if x.startswith("|"):
+            if prev != i - 1:  # a table starts after a line that is not one
+                tables.append([])
+            tables[-1].append(x)
+            prev = i
+
+    def cells(line):
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    head, _, *body = map(cells, tables[which])
+    return {r[head[0]]: r for r in (dict(zip(head, x)) for x in body)}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +66,21 @@ def test_smoke_prints_every_row_and_writes_the_same_card(smoke):
         assert float(rows[name]["plan GiB"]) >= 0, rows[name]  # the planner's peak beside the measured one
     assert rows["ep"]["note"].startswith(("not available in this version", "needs >1 GPU")), rows["ep"]
     assert rows["moe-balanced"]["routing"] == "balanced" and rows["moe"]["routing"] == "real"
+
+
+def test_smoke_measures_the_moe_block_twice(smoke):
+    block = table(smoke[0].stdout, 1)
+    assert list(block) == ["smoke"], smoke[0].stdout
+    assert all(float(block["smoke"][f"run {i}"].removesuffix("x")) > 0 for i in (1, 2))
+    assert block["smoke"]["met"] == "-"  # no target at the smoke shape
+
+
+def test_block_section_is_met_only_under_the_target_in_runs_that_agree():
+    ratios = {"tiny-cpu": [1.20, 1.24], "h100 preset": [1.20, 1.40], "tiny-cpu-90s": [1.45, 1.40], "tiny": [1.0, 2.0]}
+    block = table("\n".join(card.block_text(ratios, 20)))
+    assert [block[n]["met"] for n in ratios] == ["yes", "no", "no", "-"]
+    assert [block[n]["runs within 10%"] for n in ratios] == ["yes", "no", "yes", "no"]
+    assert (block["tiny-cpu"]["run 2"], block["tiny-cpu-90s"]["target"]) == ("1.24x", "1.40")
 
 
 def test_moe_dense_column_is_the_ratio_of_its_own_rows(smoke):
