@@ -477,14 +477,19 @@ def main(
     if worker:
         return measure_rank(names[0], a)
     t0 = time.perf_counter()
-    block = []
+    block, block_status = [], "ran"
     if block_reps > 0:
         shapes = SMOKE_BLOCK if smoke else {n: moe_bench.SHAPES["cpu"][n] for n in BLOCK_TARGETS}
         reps = min(block_reps, 3) if smoke else block_reps
-        ratios = block_ratios(shapes, torch.device("cuda" if dev == "auto" else "cpu"), reps)
-        for name, rs in ratios.items():
-            print(f"block {name}: MoE / dense " + ", ".join(f"{r:.2f}x" for r in rs), flush=True)
-        block = block_text(ratios, reps)
+        try:
+            ratios = block_ratios(shapes, torch.device("cuda" if dev == "auto" else "cpu"), reps)
+        except Exception as e:  # as a row's failure: a line in the card, and the rows still run
+            fail = failure(e)
+            block, block_status = ["", f"MoE block section: {fail['note']}"], fail["status"]
+        else:
+            for name, rs in ratios.items():
+                print(f"block {name}: MoE / dense " + ", ".join(f"{r:.2f}x" for r in rs), flush=True)
+            block = block_text(ratios, reps)
     results = run_card(names, a, limit - (time.perf_counter() - t0))
     peak_flops = peak or (device_peak_flops() if dev == "auto" else None)
     text = card_text(results, card_header(a, peak_flops, time.perf_counter() - t0), peak_flops)
@@ -492,7 +497,7 @@ def main(
     print("\n" + text, end="")
     if out:
         Path(out).write_text(text)
-    status = {r["status"] for r in results.values()}
+    status = {r["status"] for r in results.values()} | {block_status}
     return 1 if "failed" in status else 3 if "oom" in status else 0
 
 

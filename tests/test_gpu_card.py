@@ -83,6 +83,16 @@ def test_block_section_is_met_only_under_the_target_in_runs_that_agree():
     assert (block["tiny-cpu"]["run 2"], block["tiny-cpu-90s"]["target"]) == ("1.24x", "1.40")
 
 
+def test_a_failed_block_section_is_a_line_in_the_card_and_exit_1(monkeypatch):
+    def boom(*args, **kw):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(card, "block_ratios", boom)
+    code, out, err = card_run("--smoke", "--rows", "dense")
+    assert code == 1, out + err
+    assert "MoE block section: FAILED: RuntimeError: no kernel" in out and table(out)["dense"]["tok/s"] != "-"
+
+
 def test_moe_dense_column_is_the_ratio_of_its_own_rows(smoke):
     rows = table(smoke[0].stdout)
     dense = float(rows["dense"]["tok/s"].replace(",", ""))
