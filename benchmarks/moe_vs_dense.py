@@ -5,7 +5,8 @@ budget's and recipe's verdict on the MoE - dense held-out bits per byte to `benc
         --recipe default --budget 90s --max-seeds 5
 
 The scaling sweep's compute multiplier (`benchmarks/scaling.py --out`.json) joins the same record, with the paired
-verdict over its matched runs (MoE - dense at each width, budget and seed: equal FLOPs, run by run):
+verdict over its matched runs (MoE - dense at each width, budget and seed: equal FLOPs, run by run) and, where the
+sweep has it, the multiplier read without the law from each budget's own minimum (`own_minima`):
 
     python benchmarks/moe_vs_dense.py --scaling benchmarks/results/2026-12-05-scaling-2.json
 
@@ -76,6 +77,11 @@ def add_multiplier(record: dict, sweep: dict, command: str = "", when: str = "")
         for m in sweep["multiplier"]
     ]
     entry = dict(date=when or date.today().isoformat(), command=command, sweep=sweep.get("sweep", ""), budgets=rows)
+    if sweep.get("minima_multiplier"):  # the same from each budget's own minimum, without the law (approach 2)
+        entry["own_minima"] = [
+            dict(flops=m["C"], multiplier=m["multiplier"], low=m["lo_hi"][0], high=m["lo_hi"][1])
+            for m in sweep["minima_multiplier"]
+        ]
     if sweep.get("runs"):
         entry["matched"] = matched_runs(sweep["runs"])
     return {**record, "multiplier": entry}
@@ -120,6 +126,8 @@ def main():
     tmp.replace(out)  # a kill mid-write leaves the old record whole
     for m in record.get("multiplier", {}).get("budgets", []):
         print(f"compute multiplier at {m['flops']:.3g} FLOPs: {m['multiplier']:.3g} [{m['low']:.3g}, {m['high']:.3g}]")
+    for m in record.get("multiplier", {}).get("own_minima", []):
+        print(f"  without the law, at {m['flops']:.3g}: {m['multiplier']:.3g} [{m['low']:.3g}, {m['high']:.3g}]")
     if "matched" in record.get("multiplier", {}):
         v = record["multiplier"]["matched"]
         iv = f"[{v['low']:+.4f}, {v['high']:+.4f}]"

@@ -1,13 +1,15 @@
 """A scaling sweep of the dense and the MoE family of the default model: isoFLOP sets, a fitted law per family with
 bootstrap intervals, a held-out larger configuration predicted before it trains, the compute-optimal frontiers and
-where they cross.
+where they cross; and, without the law, each budget's own minimum (Chinchilla's approach 2) and the multiplier it gives.
 
     python benchmarks/scaling.py --sweep full --root runs/scaling --out benchmarks/results/2026-12-02-scaling
+    python benchmarks/scaling.py --refit OLD.json --out NEW    # the fits and tables again, from a sweep's rows
 
 The sweeps are `cipher_nb.eval.scaling`'s SMALL_SWEEP and FULL_SWEEP, the ones `examples/04_scaling.ipynb` runs, and
 DEEP_SWEEP (`--sweep deep`): the full one with three seeds and a larger budget at the narrowest widths.
 Runs are reused (`run_once`), so an interrupted sweep picks up where it stopped. The held-out runs' predictions are
 written to OUT.json before they train. Writes OUT.json (every run, each law, the predictions), OUT.md and OUT.png.
+`--refit` trains nothing: it reads the runs of an earlier OUT.json (held-out ones included) and fits and reports them.
 """
 
 import argparse
@@ -28,6 +30,8 @@ from cipher_nb.eval.scaling import (
     crossing,
     fit_families,
     frontier,
+    isoflop_minima,
+    minima_multiplier,
     run_sweep,
     sweep_runs,
 )
@@ -110,12 +114,76 @@ def report(res: dict) -> str:
             f"| {m['C']:.3g} | {m['multiplier']:.3g} [{m['lo_hi'][0]:.3g}, {m['lo_hi'][1]:.3g}] |"
             for m in res["multiplier"]
         ]
+    if res.get("minima") is not None:
+        lines += ["", minima_text(res)]
+    return "\n".join(lines)
+
+
+def minima_text(res: dict) -> str:
+    "The table of each budget's own minimum (approach 2) beside the law's optimum, and the two multipliers."
+    law = {(r["family"], r["C"]): r for r in res["frontier"]}
+    lines = [
+        "Without the law (approach 2): a parabola in ln N through each budget's lowest mean bpb and two widths either "
+        "side; a budget whose lowest run is at the grid's edge has no row.",
+        "",
+        "| FLOPs | family | N* [95%], own minimum | bpb* [95%], own minimum | N*, law | bpb*, law |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in res["minima"]:
+        f = law.get((m["family"], m["C"]))
+        lines.append(
+            f"| {m['C']:.3g} | {m['family']} | {m['N']:,.0f} [{m['N_lo_hi'][0]:,.0f}, {m['N_lo_hi'][1]:,.0f}] "
+            f"| {m['L']:.4f} [{m['L_lo_hi'][0]:.4f}, {m['L_lo_hi'][1]:.4f}] | "
+            + (f"{f['N']:,.0f} | {f['L']:.4f} |" if f else " | |")
+        )
+    by_law = {m["C"]: m for m in res.get("multiplier") or []}
+    lines += ["", "| FLOPs | compute multiplier [95%], the law | the budgets' own minima |", "|---|---|---|"]
+    for m in res["minima_multiplier"]:
+        a = by_law.get(m["C"])
+        cell = f"{a['multiplier']:.3g} [{a['lo_hi'][0]:.3g}, {a['lo_hi'][1]:.3g}]" if a else ""
+        lines.append(f"| {m['C']:.3g} | {cell} | {m['multiplier']:.3g} [{m['lo_hi'][0]:.3g}, {m['lo_hi'][1]:.3g}] |")
     return "\n".join(lines)
 
 
 def multipliers(fits: dict, budgets: list) -> list:
     "The MoE's compute multiplier over the dense family at each budget, with its paired bootstrap interval."
     return [compute_multiplier(fits["dense"], fits["moe"], C) for C in budgets] if {"dense", "moe"} <= set(fits) else []
+
+
+def own_minima(rows: list, boot: int) -> tuple:
+    "Approach 2: each budget's own minimum per family, and the MoE's multiplier at each budget it brackets."
+    mins = isoflop_minima(rows, boot=boot)
+    ms = [minima_multiplier(mins, m["C"]) for m in mins if m["family"] == "moe"]
+    return mins, [m for m in ms if m]
+
+
+def train_and_fit(a, out: Path) -> tuple:
+    "Train the sweep's fitted runs, fit them, write the held-out predictions, then train the held-out runs."
+    sweep, root = SWEEPS[a.sweep], Path(a.root) / a.sweep
+    given = dict(lr_width=a.lr_width, seeds=a.seeds, max_cpu_hours=a.max_cpu_hours)
+    sweep = dataclasses.replace(sweep, **{k: v for k, v in given.items() if v is not None})
+    rows = run_sweep(sweep, root)
+    fits = fit_families(rows, boot=a.boot)
+    res = dict(sweep=a.sweep, runs=rows, laws=law_rows(fits), predictions=predictions(fits, sweep))
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))  # the predictions, before the held-out runs
+    held = {r["name"]: r for r in run_sweep(sweep, root, heldout=True)}
+    return rows, held, res, fits
+
+
+def refit(old: Path, boot: int) -> tuple:
+    "The same from the runs of an earlier, finished OUT.json: nothing trains."
+    try:
+        prev = json.loads(old.read_text())
+        runs, sweep = prev["runs"], SWEEPS[prev["sweep"]]
+        rows, held = [r for r in runs if not r["heldout"]], {r["name"]: r for r in runs if r["heldout"]}
+        fits = fit_families(rows, boot=boot)
+        res = dict(sweep=prev["sweep"], runs=rows, laws=law_rows(fits), predictions=predictions(fits, sweep))
+        missing = [pr["name"] for pr in res["predictions"] if pr["name"] not in held]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--refit {old}: not a sweep's OUT.json ({type(e).__name__}: {e}); give one scaling.py wrote")
+    if missing:
+        raise ValueError(f"--refit {old}: the held-out run {missing[0]} has no row; finish the sweep first")
+    return rows, held, res, fits
 
 
 def main():
@@ -128,22 +196,20 @@ def main():
     p.add_argument("--lr-width", type=float, help="schedule.lr = LR_WIDTH / width (default: the sweep's own)")
     p.add_argument("--seeds", type=int, help="runs of each fitted point (default: the sweep's own, 1)")
     p.add_argument("--max-cpu-hours", type=float, help="the sweep's cost cap (default: the sweep's own)")
+    p.add_argument("--refit", metavar="OLD.json", help="train nothing: fit and report the runs of an earlier OUT.json")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    sweep, root, out = SWEEPS[a.sweep], Path(a.root) / a.sweep, Path(a.out)
-    given = dict(lr_width=a.lr_width, seeds=a.seeds, max_cpu_hours=a.max_cpu_hours)
-    sweep = dataclasses.replace(sweep, **{k: v for k, v in given.items() if v is not None})
+    out = Path(a.out)
     t0 = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            rows = run_sweep(sweep, root)
-            fits = fit_families(rows, boot=a.boot)
-        except ValueError as e:  # over its CPU cap, a budget too small for a width, too few runs to fit: exit 2
+            if a.refit:
+                rows, held, res, fits = refit(Path(a.refit), a.boot)
+            else:
+                rows, held, res, fits = train_and_fit(a, out)
+        except ValueError as e:  # over its CPU cap, a budget too small for a width, too few runs, a bad OUT.json
             p.error(str(e))
-        res = dict(sweep=a.sweep, runs=rows, laws=law_rows(fits), predictions=predictions(fits, sweep))
-        out.with_suffix(".json").write_text(json.dumps(res, indent=1))  # the predictions, before the held-out runs
-        held = {r["name"]: r for r in run_sweep(sweep, root, heldout=True)}
     for pr in res["predictions"]:
         pr["measured"] = held[pr["name"]]["bpb"]
     budgets = sorted({r["budget"] for r in rows})
@@ -153,11 +219,13 @@ def main():
         frontier=frontier(fits, budgets + [10 * budgets[-1]]),
         crossing=crossing(fits[families[0]].law, fits[families[-1]].law, budgets[0], budgets[-1]),
         multiplier=multipliers(fits, budgets + [10 * budgets[-1]]),
-        cpu_seconds=round(time.process_time() - t0),
     )
+    mins, res["minima_multiplier"] = own_minima(rows, a.boot)
+    res["minima"] = [{k: v for k, v in m.items() if k != "boot_L"} for m in mins]
+    res["cpu_seconds"] = round(time.process_time() - t0)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     out.with_suffix(".md").write_text(report(res) + "\n")
-    fig_iso = plot_isoflops(rows, fits)
+    fig_iso = plot_isoflops(rows, fits, mins)
     fig_iso.savefig(out.with_name(out.name + "-isoflops.png"), dpi=110)
     fig = plot_frontiers(fits, budgets + [10 * budgets[-1]], list(held.values()), res["crossing"])
     fig.savefig(out.with_suffix(".png"), dpi=110)

@@ -48,6 +48,10 @@ def test_the_sweeps_multiplier_joins_the_record_beside_the_verdicts():
     rec = mvd.add_multiplier(rec, sweep, "c", when="2026-12-05")
     assert rec["multiplier"]["budgets"] == [dict(flops=1e11, multiplier=1.4, low=0.9, high=2.1)]
     assert len(rec["comparisons"]) == 1 and rec["multiplier"]["sweep"] == "full"
+    assert "own_minima" not in rec["multiplier"]  # a sweep result from before approach 2
+    own = [dict(C=1e12, multiplier=1.3, lo_hi=(1.1, 1.5))]
+    both = mvd.add_multiplier(rec, sweep | dict(minima_multiplier=own), "c")
+    assert both["multiplier"]["own_minima"] == [dict(flops=1e12, multiplier=1.3, low=1.1, high=1.5)]
 
 
 def test_the_sweeps_matched_runs_give_a_paired_verdict_at_equal_flops():

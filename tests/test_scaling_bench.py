@@ -1,9 +1,12 @@
 "benchmarks/scaling.py's pure parts: the matched-runs table and its paired verdict, and the report of a finished sweep."
 
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from cipher_nb.eval.scaling import Law, fit_families, frontier
 
@@ -82,3 +85,47 @@ def test_matched_runs_pair_each_seed_and_the_table_shows_their_mean():
     table, line = bench.matched(rows)
     assert table.splitlines()[2] == "| 16 | +0.0500 |"  # (-0.1 + 0.2) / 2; the MoE's seed 2 has no dense pair
     assert "over 2 matched runs" in line and f"{(0.1 - 0.2) / 2:+.4f}" in line  # dense - moe, seed by seed
+
+
+def test_each_budgets_own_minimum_finds_the_moved_laws_multiplier():
+    "Approach 2 on runs drawn from the two laws above, budgets half a decade apart: k between budgets, within 3%."
+    dense, k = Law(1.2, 40.0, 0.34, 60.0, 0.28), 2.5
+    s = k ** -(dense.alpha * dense.beta / (dense.alpha + dense.beta))
+    laws = {"dense": dense, "moe": Law(1.2, 40.0 * s, 0.34, 60.0 * s, 0.28)}
+    rows = [
+        dict(family=f, budget=c, heldout=False, N=n, bpb=float(law(n, c / (6 * n))))
+        for f, law in laws.items()
+        for c in (1e14, 3e14, 1e15, 3e15, 1e16)
+        for n in np.geomspace(1e5, 1e7, 9)
+    ]
+    mins, ms = bench.own_minima(rows, boot=5)
+    assert len(mins) == 10 and [m["C"] for m in ms] == [1e14, 3e14, 1e15, 3e15, 1e16]
+    assert all(abs(m["multiplier"] / k - 1) < 0.03 for m in ms[:-1])  # the last extends dense's last segment: low
+    assert ms[-1]["multiplier"] < k
+    frontier_rows = [dict(family=f, C=c, N=1.0, L=1.0) for f in laws for c in (1e14, 1e15)]
+    text = bench.minima_text(dict(minima=mins, minima_multiplier=ms, frontier=frontier_rows, multiplier=[]))
+    assert f"| 1e+15 | dense | {mins[2]['N']:,.0f} [" in text and f"| 1e+15 |  | {ms[2]['multiplier']:.3g} [" in text
+
+
+def test_refit_reports_a_saved_sweep_and_refuses_a_bad_file_in_one_line(tmp_path, monkeypatch, capsys):
+    laws = {"dense": Law(1.2, 40.0, 0.34, 60.0, 0.28), "moe": Law(1.1, 80.0, 0.34, 60.0, 0.28)}
+    held = [r for r in bench.sweep_runs(bench.SWEEPS["small"]) if r["heldout"]]
+    rows = rows_from(laws) + [{**r, "bpb": float(laws[r["family"]](r["N"], r["tokens"]))} for r in held]
+    saved = tmp_path / "old.json"
+    saved.write_text(
+        json.dumps(dict(sweep="small", runs=[{k: v for k, v in r.items() if k != "overrides"} for r in rows]))
+    )
+    monkeypatch.setattr(
+        sys, "argv", ["scaling.py", "--refit", str(saved), "--out", str(tmp_path / "new"), "--boot", "5"]
+    )
+    bench.main()
+    res = json.loads((tmp_path / "new.json").read_text())
+    assert [p["measured"] for p in res["predictions"]] == [r["bpb"] for r in rows[-len(held) :]]
+    assert res["minima"] and "Without the law (approach 2)" in (tmp_path / "new.md").read_text()
+    saved.write_text(json.dumps(dict(sweep="small", runs=rows_from(laws))))  # no held-out rows: an unfinished sweep
+    for bad in (saved, tmp_path / "missing.json"):
+        monkeypatch.setattr(sys, "argv", ["scaling.py", "--refit", str(bad), "--out", str(tmp_path / "x")])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and f"--refit {bad}" in err[-1] and "Traceback" not in err[-1]

@@ -8,7 +8,7 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_scaling.html.md"""
 __all__ = ['MIN_RUNS', 'EXPONENTS', 'FAMILIES', 'SMALL_SWEEP', 'FULL_SWEEP', 'DEEP_SWEEP', 'Law', 'nonneg_lstsq', 'check_runs',
            'fit_law', 'ScalingFit', 'fit_scaling', 'crossing', 'equal_loss_compute', 'compute_multiplier', 'Sweep',
            'width_overrides', 'sweep_runs', 'sweep_cost', 'check_cost', 'sweep_result', 'run_sweep', 'fit_families',
-           'frontier']
+           'frontier', 'isoflop_vertex', 'isoflop_minima', 'minima_multiplier']
 
 # %% ../../nbs/12c_eval_scaling.ipynb #6834b3bd
 import dataclasses
@@ -317,6 +317,68 @@ def fit_families(rows: list, boot: int = 100) -> dict:
 def frontier(fits: dict, budgets) -> list:
     "Per family and budget: the compute-optimal size and loss, each with its 95% interval."
     return [dict(family=f, **fit.optimal(C)) for f, fit in fits.items() for C in budgets]
+
+# %% ../../nbs/12c_eval_scaling.ipynb #79dafbc6
+def isoflop_vertex(lnN, L, half: int = 2):
+    "(ln N*, L*): the vertex of the parabola in ln N through the lowest loss and `half` points either side; or None."
+    lnN, L = np.asarray(lnN, float), np.asarray(L, float)
+    order = np.argsort(lnN)
+    lnN, L = lnN[order], L[order]
+    b = int(np.argmin(L))
+    if not 0 < b < len(L) - 1:  # the lowest run at the grid's edge: the minimum is not bracketed
+        return None
+    x, y = lnN[max(b - half, 0) : b + half + 1], L[max(b - half, 0) : b + half + 1]
+    c = np.polyfit(x, y, 2)
+    v = -c[1] / (2 * c[0])
+    if c[0] <= 0 or not x[0] <= v <= x[-1]:
+        return None
+    return float(v), float(np.polyval(c, v))
+
+# %% ../../nbs/12c_eval_scaling.ipynb #a7876645
+def isoflop_minima(rows: list, boot: int = 200, seed: int = 0, level: float = 0.95, half: int = 2) -> list:
+    "Per family and budget with a bracketed minimum: its N* and loss L* (approach 2), each with a bootstrap interval."
+    rng, out, q = np.random.default_rng(seed), [], [(1 - level) / 2, (1 + level) / 2]
+    fitted = [r for r in rows if not r["heldout"]]
+    for family in dict.fromkeys(r["family"] for r in fitted):
+        for C in sorted({r["budget"] for r in fitted if r["family"] == family}):
+            by_n = {}
+            for r in (r for r in fitted if (r["family"], r["budget"]) == (family, C)):
+                by_n.setdefault(r["N"], []).append(r["bpb"])
+            lnN, runs = np.log(list(by_n)), [np.array(v) for v in by_n.values()]
+            v = isoflop_vertex(lnN, [r.mean() for r in runs], half)
+            if v is None:
+                continue
+            reps = [isoflop_vertex(lnN, [rng.choice(r, len(r)).mean() for r in runs], half) for _ in range(boot)]
+            bN, bL = np.array([r or (np.nan, np.nan) for r in reps]).T
+            N_lo_hi, L_lo_hi = tuple(np.exp(np.nanquantile(bN, q))), tuple(np.nanquantile(bL, q))
+            out.append(dict(family=family, C=float(C), N=float(np.exp(v[0])), N_lo_hi=N_lo_hi, L=v[1], L_lo_hi=L_lo_hi,
+                            boot_L=bL.tolist()))  # fmt: skip
+    return out
+
+# %% ../../nbs/12c_eval_scaling.ipynb #ff384b7c
+def _lnC_at(lnC, L, target):
+    "The ln C at which the minima L (over budgets ln C, falling) reach `target`, along the segment between budgets."
+    ok = np.isfinite(L)
+    x, y = lnC[ok], L[ok]
+    if len(x) < 2 or np.any(np.diff(y) >= 0):  # a frontier falls; one that does not gives no answer
+        return np.nan
+    i = int(np.clip(np.searchsorted(-y, -target), 1, len(y) - 1))
+    return x[i - 1] + (target - y[i - 1]) * (x[i] - x[i - 1]) / (y[i] - y[i - 1])
+
+
+def minima_multiplier(minima: list, C: float, base: str = "dense", other: str = "moe", level: float = 0.95) -> dict:
+    "The compute `base`'s minima need for `other`'s minimum at budget C (one of its budgets), over C; its interval."
+    b, o = ([m for m in minima if m["family"] == f] for f in (base, other))
+    at = next((m for m in o if m["C"] == C), None)
+    if at is None or len(b) < 2:
+        return None
+    b = sorted(b, key=lambda m: m["C"])
+    lnC = np.log([m["C"] for m in b])
+    m = np.exp(_lnC_at(lnC, np.array([r["L"] for r in b]), at["L"])) / C
+    Lb = np.array([r["boot_L"] for r in b])  # [budgets, replicates]
+    boots = np.exp([_lnC_at(lnC, Lb[:, j], at["boot_L"][j]) for j in range(Lb.shape[1])]) / C
+    lo, hi = np.nanquantile(boots, [(1 - level) / 2, (1 + level) / 2])
+    return dict(C=float(C), multiplier=float(m), lo_hi=(float(lo), float(hi)))
 
 # %% ../../nbs/12c_eval_scaling.ipynb #5074ec18
 SMALL_SWEEP = Sweep(

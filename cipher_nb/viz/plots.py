@@ -517,8 +517,8 @@ def plot_ablation(runs: dict, keys=("loss", "val/loss"), verdict_key: str = "val
     return fig
 
 # %% ../../nbs/13_viz_plots.ipynb #55dc0b60
-def plot_isoflops(rows: list, fits: dict):
-    "One panel per family: bpb against N for each budget (points), the fitted law along each isoFLOP line, its optimum."
+def plot_isoflops(rows: list, fits: dict, minima=()):
+    "Per family: bpb against N per budget (points), the law along each isoFLOP line, its optimum (and `minima`'s)."
     fig = PngFigure(figsize=(5 * len(fits), 3.8), layout="constrained")
     axes = fig.subplots(1, len(fits), sharey=True, squeeze=False)
     for ax, (family, fit) in zip(axes[0], fits.items()):
@@ -531,6 +531,9 @@ def plot_isoflops(rows: list, fits: dict):
             n_opt, _, l_opt = fit.law.optimal(C)
             if ns[0] <= n_opt <= ns[-1]:  # an optimum far outside the widths tried would only squeeze the profiles
                 ax.plot(n_opt, l_opt, "*", color=f"C{k}", ms=12, mec="k")
+            for m in (m for m in minima if (m["family"], m["C"]) == (family, C)):  # approach 2's vertex, N* interval
+                xerr = [[m["N"] - m["N_lo_hi"][0]], [m["N_lo_hi"][1] - m["N"]]]
+                ax.errorbar(m["N"], m["L"], xerr=xerr, fmt="D", color=f"C{k}", mfc="white", ms=7, capsize=3)
         ax.set(xscale="log", xlabel="N (parameters a token computes)", title=f"{family}: isoFLOP profiles")
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("held-out bpb")
