@@ -279,24 +279,24 @@ def budget_table(runs: list, names: list, budget: float) -> str:
     def mean_sd(xs):
         return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
+    base = {r["seed"]: r["test"] for r in runs if r["name"] == BASELINE}
+    vs_col = f" vs {BASELINE}, same seed |" if base else ""  # no column when the baseline did not run
     lines = [
         f"### {budget:g} s",
         "",
-        "| contender | test bpb | vs minimal-gpt, same seed | val bpb | train bpb | test - train | steps (planned) "
-        "| best step |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| contender | test bpb |{vs_col} val bpb | train bpb | test - train | steps (planned) | best step |",
+        "|---" * (7 + bool(base)) + "|",
     ]
-    base = {r["seed"]: r["test"] for r in runs if r["name"] == BASELINE}
     for n in names:
         rs = [r for r in runs if r["name"] == n]
         if not rs:
             continue
         m, sd = mean_sd([r["test"] for r in rs])
         d = [r["test"] - base[r["seed"]] for r in rs if r["seed"] in base and n != BASELINE]
-        vs = f"{mean_sd(d)[0]:+.4f} ({sum(x < 0 for x in d)}/{len(d)} ahead)" if d else ""
+        vs = f" {mean_sd(d)[0]:+.4f} ({sum(x < 0 for x in d)}/{len(d)} ahead) |" if d else " |"
         steps = ", ".join(f"{r['steps']} ({r['planned']})" for r in rs)
         lines.append(
-            f"| {n} | {m:.4f}" + (f" ± {sd:.4f}" if len(rs) > 1 else "") + f" | {vs} | "
+            f"| {n} | {m:.4f}" + (f" ± {sd:.4f}" if len(rs) > 1 else "") + " |" + (vs if base else "") + " "
             f"{mean_sd([r['val'] for r in rs])[0]:.4f} | {mean_sd([r['train'] for r in rs])[0]:.4f} | "
             f"{mean_sd([r['gap'] for r in rs])[0]:+.4f} | {steps} | {', '.join(str(r['best_step']) for r in rs)} |"
         )

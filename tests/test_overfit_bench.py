@@ -42,6 +42,13 @@ def test_each_fix_gets_a_paired_verdict_against_the_recipe():
     runs += [run("recipe+dropout", s, t) for s, t in enumerate((2.05, 2.12, 1.98))]  # +0.05 +0.02 +0.08
     table = overfit.budget_table(runs, ["recipe", "recipe+dropout"], 240.0)
     assert "- recipe+dropout - recipe: +0.0500 [" in table and "over 3 seeds, signs +++" in table
-    assert "recipe - minimal-gpt" not in table  # no baseline ran
+    assert "recipe - minimal-gpt" not in table and "vs minimal-gpt" not in table  # no baseline ran: no column
+    head, rule, row = table.splitlines()[2:5]
+    assert head.count("|") == rule.count("|") == row.count("|") == 8
+    runs += [run("minimal-gpt", s, t) for s, t in enumerate((2.1, 2.2, 2.0))]
+    head, rule, row = overfit.budget_table(runs, ["minimal-gpt", "recipe"], 240.0).splitlines()[2:5]
+    assert "| vs minimal-gpt, same seed |" in head and head.count("|") == rule.count("|") == row.count("|") == 9
+    recipe = overfit.budget_table(runs, ["minimal-gpt", "recipe"], 240.0).splitlines()[5]
+    assert recipe.startswith("| recipe | 2.0000 ± 0.1000 | -0.1000 (3/3 ahead) | ")
     one = overfit.budget_table([r for r in runs if r["seed"] == 0], ["recipe", "recipe+dropout"], 240.0)
     assert "paired by seed" not in one  # one seed has no interval
