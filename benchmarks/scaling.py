@@ -2,7 +2,7 @@
 bootstrap intervals, a held-out larger configuration predicted before it trains, the compute-optimal frontiers and
 where they cross; and, without the law, each budget's own minimum (Chinchilla's approach 2) and the multiplier it gives.
 
-    python benchmarks/scaling.py --sweep full --root runs/scaling --out benchmarks/results/2026-12-02-scaling
+    python benchmarks/scaling.py --sweep full --root runs/scaling --out benchmarks/results/2026-12-02-scaling --jobs 2
     python benchmarks/scaling.py --refit OLD.json --out NEW    # the fits and tables again, from a sweep's rows
 
 The sweeps are `cipher_nb.eval.scaling`'s SMALL_SWEEP and FULL_SWEEP, the ones `examples/04_scaling.ipynb` runs, and
@@ -162,11 +162,11 @@ def train_and_fit(a, out: Path) -> tuple:
     sweep, root = SWEEPS[a.sweep], Path(a.root) / a.sweep
     given = dict(lr_width=a.lr_width, seeds=a.seeds, max_cpu_hours=a.max_cpu_hours)
     sweep = dataclasses.replace(sweep, **{k: v for k, v in given.items() if v is not None})
-    rows = run_sweep(sweep, root)
+    rows = run_sweep(sweep, root, jobs=a.jobs)
     fits = fit_families(rows, boot=a.boot)
     res = dict(sweep=a.sweep, runs=rows, laws=law_rows(fits), predictions=predictions(fits, sweep))
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))  # the predictions, before the held-out runs
-    held = {r["name"]: r for r in run_sweep(sweep, root, heldout=True)}
+    held = {r["name"]: r for r in run_sweep(sweep, root, heldout=True, jobs=a.jobs)}
     return rows, held, res, fits
 
 
@@ -193,6 +193,7 @@ def main():
     p.add_argument("--out", required=True, help="OUT.json, OUT.md and OUT.png are written")
     p.add_argument("--boot", type=int, default=200, help="bootstrap resamples of each fit")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at a time, each a process on one torch thread")
     p.add_argument("--lr-width", type=float, help="schedule.lr = LR_WIDTH / width (default: the sweep's own)")
     p.add_argument("--seeds", type=int, help="runs of each fitted point (default: the sweep's own, 1)")
     p.add_argument("--max-cpu-hours", type=float, help="the sweep's cost cap (default: the sweep's own)")

@@ -13,9 +13,12 @@ __all__ = ['MIN_RUNS', 'EXPONENTS', 'FAMILIES', 'SMALL_SWEEP', 'FULL_SWEEP', 'DE
 # %% ../../nbs/12c_eval_scaling.ipynb #6834b3bd
 import dataclasses
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import cipher_nb.persist.files as ck
 from ..config.load import ConfigError, load_config
@@ -287,7 +290,7 @@ def sweep_result(run: dict, run_dir) -> dict:
     return {k: v for k, v in run.items() if k != "overrides"} | {"bpb": bpb}
 
 # %% ../../nbs/12c_eval_scaling.ipynb #41ecf744
-def run_sweep(sweep: Sweep, root, heldout: bool = False, costs: dict = None, progress: bool = False) -> list:
+def run_sweep(sweep: Sweep, root, heldout: bool = False, costs: dict = None, progress: bool = False, jobs: int = 1):
     "Train the fit's runs of `sweep` (`heldout=True`: the held-out ones) into ROOT; their rows (also ROOT/sweep.json)."
     root, runs = Path(root), sweep_runs(sweep)
     todo = [r for r in runs if r["heldout"] == heldout]
@@ -295,10 +298,14 @@ def run_sweep(sweep: Sweep, root, heldout: bool = False, costs: dict = None, pro
         seconds = sweep_cost(sweep, runs, costs)
         check_cost(sweep, seconds)
         print(f"{len(runs)} runs, about {seconds / 3600:.2f} CPU-hours (cap {sweep.max_cpu_hours})")
-    rows = []
-    for r in todo:
-        cfg = load_config(sweep.config, r["overrides"])
-        rows.append(sweep_result(r, run_once(cfg, root / r["name"], progress=progress)))
+    cfgs, dirs = [load_config(sweep.config, r["overrides"]) for r in todo], [root / r["name"] for r in todo]
+    if jobs > 1:  # spawned workers on one torch thread each (a fork would inherit this process's threads and state)
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            dirs = list(pool.map(run_once, cfgs, dirs))
+    else:
+        dirs = [run_once(cfg, d, progress=progress) for cfg, d in zip(cfgs, dirs)]
+    rows = [sweep_result(r, d) for r, d in zip(todo, dirs)]
     old = json.loads((root / "sweep.json").read_text()) if (root / "sweep.json").is_file() else []
     keep = [o for o in old if o["name"] not in {r["name"] for r in rows}]
     ck.write_json_atomic(root / "sweep.json", keep + rows)
