@@ -410,4 +410,9 @@ FULL_SWEEP = Sweep(
 )
 
 # %% ../../nbs/12c_eval_scaling.ipynb #fc3eb5e3
-DEEP_SWEEP = dataclasses.replace(FULL_SWEEP, seeds=3, extra=[(w, 3e12) for w in (16, 24, 32, 48)], max_cpu_hours=5.0)
+DEEP_SWEEP = dataclasses.replace(
+    FULL_SWEEP,
+    seeds=3,
+    extra=[(w, 3e12) for w in (16, 24, 32, 48)] + [(w, c) for c in (1e11, 3e11) for w in (8, 12)],
+    max_cpu_hours=5.0,
+)
