@@ -4,12 +4,15 @@ where they cross; and, without the law, each budget's own minimum (Chinchilla's 
 
     python benchmarks/scaling.py --sweep full --root runs/scaling --out benchmarks/results/2026-12-02-scaling --jobs 2
     python benchmarks/scaling.py --refit OLD.json --out NEW    # the fits and tables again, from a sweep's rows
+    python benchmarks/scaling.py --refit OLD.json --out NEW --predict 48@1e13   # and a prediction, then its runs
 
 The sweeps are `cipher_nb.eval.scaling`'s SMALL_SWEEP and FULL_SWEEP, the ones `examples/04_scaling.ipynb` runs, and
 DEEP_SWEEP (`--sweep deep`): the full one with three seeds and a larger budget at the narrowest widths.
 Runs are reused (`run_once`), so an interrupted sweep picks up where it stopped. The held-out runs' predictions are
 written to OUT.json before they train. Writes OUT.json (every run, each law, the predictions), OUT.md and OUT.png.
 `--refit` trains nothing: it reads the runs of an earlier OUT.json (held-out ones included) and fits and reports them.
+`--predict WIDTH@FLOPS` (repeatable) adds held-out configurations beyond the sweep: each family's prediction is
+written to OUT.json, then its run trains (into ROOT, reused when finished), and the table sets them beside the sweep's.
 """
 
 import argparse
@@ -167,7 +170,24 @@ def train_and_fit(a, out: Path) -> tuple:
     res = dict(sweep=a.sweep, runs=rows, laws=law_rows(fits), predictions=predictions(fits, sweep))
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))  # the predictions, before the held-out runs
     held = {r["name"]: r for r in run_sweep(sweep, root, heldout=True, jobs=a.jobs)}
-    return rows, held, res, fits
+    return rows, held, res, fits, sweep
+
+
+def predict_more(fits: dict, sweep, points: list, root: Path, out: Path, res: dict, jobs: int) -> dict:
+    "Each family's prediction at each (width, budget), written to OUT.json before those runs train; their rows."
+    more = [dataclasses.replace(sweep, heldout=pt) for pt in points]
+    res["predictions"] += [pr for s in more for pr in predictions(fits, s)]
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    return {r["name"]: r for s in more for r in run_sweep(s, root, heldout=True, jobs=jobs)}
+
+
+def width_at_flops(text: str) -> tuple:
+    "A --predict point: WIDTH@FLOPS, e.g. 48@1e13."
+    try:
+        w, c = text.split("@")
+        return int(w), float(c)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not WIDTH@FLOPS (e.g. 48@1e13)") from None
 
 
 def refit(old: Path, boot: int) -> tuple:
@@ -183,7 +203,7 @@ def refit(old: Path, boot: int) -> tuple:
         raise ValueError(f"--refit {old}: not a sweep's OUT.json ({type(e).__name__}: {e}); give one scaling.py wrote")
     if missing:
         raise ValueError(f"--refit {old}: the held-out run {missing[0]} has no row; finish the sweep first")
-    return rows, held, res, fits
+    return rows, held, res, fits, sweep
 
 
 def main():
@@ -198,6 +218,14 @@ def main():
     p.add_argument("--seeds", type=int, help="runs of each fitted point (default: the sweep's own, 1)")
     p.add_argument("--max-cpu-hours", type=float, help="the sweep's cost cap (default: the sweep's own)")
     p.add_argument("--refit", metavar="OLD.json", help="train nothing: fit and report the runs of an earlier OUT.json")
+    p.add_argument(
+        "--predict",
+        type=width_at_flops,
+        action="append",
+        default=[],
+        metavar="WIDTH@FLOPS",
+        help="also predict, then train, this held-out configuration (repeatable)",
+    )
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     out = Path(a.out)
@@ -206,9 +234,11 @@ def main():
         warnings.simplefilter("ignore")
         try:
             if a.refit:
-                rows, held, res, fits = refit(Path(a.refit), a.boot)
+                rows, held, res, fits, sweep = refit(Path(a.refit), a.boot)
             else:
-                rows, held, res, fits = train_and_fit(a, out)
+                rows, held, res, fits, sweep = train_and_fit(a, out)
+            if a.predict:
+                held |= predict_more(fits, sweep, a.predict, Path(a.root) / res["sweep"], out, res, a.jobs)
         except ValueError as e:  # over its CPU cap, a budget too small for a width, too few runs, a bad OUT.json
             p.error(str(e))
     for pr in res["predictions"]:

@@ -129,3 +129,27 @@ def test_refit_reports_a_saved_sweep_and_refuses_a_bad_file_in_one_line(tmp_path
             bench.main()
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and f"--refit {bad}" in err[-1] and "Traceback" not in err[-1]
+
+
+def test_predict_adds_a_configuration_predicted_then_trained(tmp_path, monkeypatch, capsys):
+    laws = {"dense": Law(1.2, 40.0, 0.34, 60.0, 0.28), "moe": Law(1.1, 80.0, 0.34, 60.0, 0.28)}
+    held = [r for r in bench.sweep_runs(bench.SWEEPS["small"]) if r["heldout"]]
+    rows = rows_from(laws) + [{**r, "bpb": 3.0} for r in held]
+    saved = tmp_path / "old.json"
+    saved.write_text(
+        json.dumps(dict(sweep="small", runs=[{k: v for k, v in r.items() if k != "overrides"} for r in rows]))
+    )
+    args = ["--refit", str(saved), "--out", str(tmp_path / "new"), "--boot", "5", "--root", str(tmp_path / "runs")]
+    monkeypatch.setattr(sys, "argv", ["scaling.py", *args, "--predict", "16@2e10"])
+    bench.main()
+    res = json.loads((tmp_path / "new.json").read_text())
+    extra = {p["name"]: p for p in res["predictions"] if "C=2e+10" in p["name"]}
+    assert sorted(extra) == ["dense/d16/C=2e+10", "moe/d16/C=2e+10"]  # each family, predicted and measured
+    assert all(2.0 < p["measured"] < 9.0 and p["lo"] < p["hi"] for p in extra.values())
+    assert (tmp_path / "runs/small/moe/d16/C=2e+10/metrics.jsonl").is_file()
+    for bad in ("16x2e10", "15@2e10"):  # not WIDTH@FLOPS; a width that does not split into the heads
+        monkeypatch.setattr(sys, "argv", ["scaling.py", *args, "--predict", bad])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and ("WIDTH@FLOPS" in err or "width 15" in err) and "Traceback" not in err

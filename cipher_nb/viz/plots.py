@@ -553,7 +553,8 @@ def plot_frontiers(fits: dict, budgets, heldout_rows=(), cross=None):
         for r in heldout_rows:
             if r["family"] == family:
                 pred, lo, hi = fit.predict(r["N"], r["tokens"])
-                ax.errorbar(r["flops"], pred, [[pred - lo], [hi - pred]], fmt="s", color=f"C{k}", mfc="none", capsize=3)
+                err = [[max(pred - lo, 0.0)], [max(hi - pred, 0.0)]]  # few replicates can leave the point outside
+                ax.errorbar(r["flops"], pred, err, fmt="s", color=f"C{k}", mfc="none", capsize=3)
                 ax.plot(r["flops"], r["bpb"], "x", color=f"C{k}", ms=9, label=f"{family} held out: predicted, measured")
     if cross:
         ax.axvline(cross, color="gray", ls="--", label=f"crossing {cross:.2g} FLOPs")
