@@ -9,8 +9,9 @@ __all__ = ['STARVED_SHARE', 'LOAD_KEYS_MAX', 'LOADS_KEY', 'LOADS_FILE', 'LOAD_DI
            'ENGRAM_MIN_GATE', 'GRAD_NORM_SPAN', 'HostSyncCounter', 'to_host', 'expert_load_metrics', 'expert_loads',
            'collect_metrics', 'layer_loads', 'row_loads', 'append_row', 'attach_loads', 'group_grad_norms',
            'HealthWarning', 'Threat', 'as_number', 'halting_collapse', 'memory_unused', 'RecurrentMonitor',
-           'over_limit', 'nonfinite', 'loss_keys', 'nonfinite_loss', 'expert_collapse', 'grad_explosion',
-           'slow_training', 'boundary_rate_off', 'overfitting', 'ThreatMatrix', 'MonitorCallback', 'Utilization']
+           'over_limit', 'nonfinite', 'loss_keys', 'nonfinite_loss', 'collapse_limit', 'expert_collapse',
+           'grad_explosion', 'slow_training', 'boundary_rate_off', 'overfitting', 'ThreatMatrix', 'MonitorCallback',
+           'Utilization']
 
 # %% ../../nbs/07_monitor_health.ipynb #31fd31e2
 import json
@@ -405,20 +406,36 @@ def nonfinite_loss(row: dict, m: MonitorConfig):
     )
 
 
+def collapse_limit(row: dict, layer: str, m: MonitorConfig) -> float:
+    "The busiest expert's share of a layer's tokens that counts as collapse (see the note below the matrix)."
+    util, load = as_number(row.get(f"router/{layer}_max_util")), as_number(row.get(f"router/{layer}_max_load"))
+    if not util or not load:
+        return m.collapse_frac
+    even = util / load  # top_k / n_routed: the share of tokens each expert gets when routing is even
+    return max(m.collapse_frac, min(2 * even, (1 + even) / 2))
+
+
 def expert_collapse(row: dict, m: MonitorConfig):
-    "Threat when one expert receives more than `monitor.collapse_frac` of a layer's tokens."
-    hot = {
-        k: v
-        for k, v in row.items()
-        if re.fullmatch(r"router/layer\d+_max_util", k) and (as_number(v) or 0) > m.collapse_frac
-    }
+    "Threat when one expert receives more than `collapse_limit` (`monitor.collapse_frac`) of a layer's tokens."
+    hot = {}
+    for k, v in row.items():
+        if re.fullmatch(r"router/layer\d+_max_util", k):
+            layer = k.split("/")[1].removesuffix("_max_util")
+            limit = collapse_limit(row, layer, m)
+            if (as_number(v) or 0) > limit:
+                hot[layer] = (v, limit)
     if not hot:
         return None
+    limits = {limit for _, limit in hot.values()}
+    said = f"limit monitor.collapse_frac = {m.collapse_frac}"
+    if limits != {m.collapse_frac}:  # raised where an even share is near it: name it
+        said = (
+            f"limit {max(limits):.2f}, above monitor.collapse_frac = {m.collapse_frac} where an even share is near it"
+        )
     return Threat(
         "expert collapse",
         row.get("step"),
-        ", ".join(f"{k.split('/')[1].split('_')[0]}: one expert gets {v:.0%} of tokens" for k, v in hot.items())
-        + f" (limit monitor.collapse_frac = {m.collapse_frac})",
+        ", ".join(f"{layer}: one expert gets {v:.0%} of tokens" for layer, (v, _) in hot.items()) + f" ({said})",
         "raise model.moe.balance_loss_weight or model.moe.bias_gamma (with model.moe.bias_balance), "
         "check the router init (model.init_std)",
     )
