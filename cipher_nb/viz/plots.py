@@ -532,7 +532,7 @@ def plot_isoflops(rows: list, fits: dict, minima=()):
             if ns[0] <= n_opt <= ns[-1]:  # an optimum far outside the widths tried would only squeeze the profiles
                 ax.plot(n_opt, l_opt, "*", color=f"C{k}", ms=12, mec="k")
             for m in (m for m in minima if (m["family"], m["C"]) == (family, C)):  # approach 2's vertex, N* interval
-                xerr = [[m["N"] - m["N_lo_hi"][0]], [m["N_lo_hi"][1] - m["N"]]]
+                xerr = [[max(m["N"] - m["N_lo_hi"][0], 0)], [max(m["N_lo_hi"][1] - m["N"], 0)]]  # few replicates
                 ax.errorbar(m["N"], m["L"], xerr=xerr, fmt="D", color=f"C{k}", mfc="white", ms=7, capsize=3)
         ax.set(xscale="log", xlabel="N (parameters a token computes)", title=f"{family}: isoFLOP profiles")
         ax.legend(fontsize=8)
