@@ -227,6 +227,10 @@ def main():
         help="also predict, then train, this held-out configuration (repeatable)",
     )
     a = p.parse_args()
+    if a.refit and any(v is not None for v in (a.lr_width, a.seeds, a.max_cpu_hours)):
+        p.error(
+            "--refit fits the runs as they ran: --lr-width, --seeds and --max-cpu-hours are for a sweep that trains"
+        )
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     t0 = time.process_time()

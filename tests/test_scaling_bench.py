@@ -129,6 +129,12 @@ def test_refit_reports_a_saved_sweep_and_refuses_a_bad_file_in_one_line(tmp_path
             bench.main()
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and f"--refit {bad}" in err[-1] and "Traceback" not in err[-1]
+    monkeypatch.setattr(
+        sys, "argv", ["scaling.py", "--refit", str(saved), "--out", str(tmp_path / "x"), "--seeds", "3"]
+    )
+    with pytest.raises(SystemExit) as e:  # a refit does not train: options for training are a mistake, said so
+        bench.main()
+    assert e.value.code == 2 and "--refit fits the runs as they ran" in capsys.readouterr().err
 
 
 def test_predict_adds_a_configuration_predicted_then_trained(tmp_path, monkeypatch, capsys):
