@@ -37,6 +37,7 @@ from cipher_nb.eval.scaling import (
     minima_multiplier,
     run_sweep,
     sweep_runs,
+    train_runs,
 )
 from cipher_nb.eval.verdict import paired_verdict, verdict_line
 from cipher_nb.viz.plots import plot_frontiers, plot_isoflops
@@ -178,7 +179,8 @@ def predict_more(fits: dict, sweep, points: list, root: Path, out: Path, res: di
     more = [dataclasses.replace(sweep, heldout=pt) for pt in points]
     res["predictions"] += [pr for s in more for pr in predictions(fits, s)]
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    return {r["name"]: r for s in more for r in run_sweep(s, root, heldout=True, jobs=jobs)}
+    runs = [r for s in more for r in sweep_runs(s) if r["heldout"]]
+    return {r["name"]: r for r in train_runs(sweep.config, runs, root, jobs)}  # one pool: no core waits for a pair
 
 
 def width_at_flops(text: str) -> tuple:

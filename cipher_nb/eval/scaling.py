@@ -7,8 +7,8 @@ Docs: https://cipher-nb.github.io/cipher_nb/eval_scaling.html.md"""
 # %% auto #0
 __all__ = ['MIN_RUNS', 'EXPONENTS', 'FAMILIES', 'SMALL_SWEEP', 'FULL_SWEEP', 'DEEP_SWEEP', 'Law', 'nonneg_lstsq', 'check_runs',
            'fit_law', 'ScalingFit', 'fit_scaling', 'crossing', 'equal_loss_compute', 'compute_multiplier', 'Sweep',
-           'width_overrides', 'sweep_runs', 'sweep_cost', 'check_cost', 'sweep_result', 'run_sweep', 'fit_families',
-           'frontier', 'isoflop_vertex', 'isoflop_minima', 'minima_multiplier']
+           'width_overrides', 'sweep_runs', 'sweep_cost', 'check_cost', 'sweep_result', 'train_runs', 'run_sweep',
+           'fit_families', 'frontier', 'isoflop_vertex', 'isoflop_minima', 'minima_multiplier']
 
 # %% ../../nbs/12c_eval_scaling.ipynb #6834b3bd
 import dataclasses
@@ -290,6 +290,18 @@ def sweep_result(run: dict, run_dir) -> dict:
     return {k: v for k, v in run.items() if k != "overrides"} | {"bpb": bpb}
 
 # %% ../../nbs/12c_eval_scaling.ipynb #41ecf744
+def train_runs(config, runs: list, root, jobs: int = 1, progress: bool = False) -> list:
+    "Train (or reuse) each of `runs` (`sweep_runs`' entries) into ROOT/name; their rows. `jobs`: how many at a time."
+    cfgs, dirs = [load_config(config, r["overrides"]) for r in runs], [Path(root) / r["name"] for r in runs]
+    if jobs > 1:  # spawned workers on one torch thread each (a fork would inherit this process's threads and state)
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            dirs = list(pool.map(run_once, cfgs, dirs))
+    else:
+        dirs = [run_once(cfg, d, progress=progress) for cfg, d in zip(cfgs, dirs)]
+    return [sweep_result(r, d) for r, d in zip(runs, dirs)]
+
+
 def run_sweep(sweep: Sweep, root, heldout: bool = False, costs: dict = None, progress: bool = False, jobs: int = 1):
     "Train the fit's runs of `sweep` (`heldout=True`: the held-out ones) into ROOT; their rows (also ROOT/sweep.json)."
     root, runs = Path(root), sweep_runs(sweep)
@@ -298,14 +310,7 @@ def run_sweep(sweep: Sweep, root, heldout: bool = False, costs: dict = None, pro
         seconds = sweep_cost(sweep, runs, costs)
         check_cost(sweep, seconds)
         print(f"{len(runs)} runs, about {seconds / 3600:.2f} CPU-hours (cap {sweep.max_cpu_hours})")
-    cfgs, dirs = [load_config(sweep.config, r["overrides"]) for r in todo], [root / r["name"] for r in todo]
-    if jobs > 1:  # spawned workers on one torch thread each (a fork would inherit this process's threads and state)
-        spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            dirs = list(pool.map(run_once, cfgs, dirs))
-    else:
-        dirs = [run_once(cfg, d, progress=progress) for cfg, d in zip(cfgs, dirs)]
-    rows = [sweep_result(r, d) for r, d in zip(todo, dirs)]
+    rows = train_runs(sweep.config, todo, root, jobs, progress)
     old = json.loads((root / "sweep.json").read_text()) if (root / "sweep.json").is_file() else []
     keep = [o for o in old if o["name"] not in {r["name"] for r in rows}]
     ck.write_json_atomic(root / "sweep.json", keep + rows)
