@@ -166,6 +166,8 @@ def train_and_fit(a, out: Path) -> tuple:
     sweep, root = SWEEPS[a.sweep], Path(a.root) / a.sweep
     given = dict(lr_width=a.lr_width, seeds=a.seeds, max_cpu_hours=a.max_cpu_hours)
     sweep = dataclasses.replace(sweep, **{k: v for k, v in given.items() if v is not None})
+    for pt in a.predict:  # a --predict point the sweep cannot lay out is refused before anything trains
+        sweep_runs(dataclasses.replace(sweep, heldout=pt))
     rows = run_sweep(sweep, root, jobs=a.jobs)
     fits = fit_families(rows, boot=a.boot)
     res = dict(sweep=a.sweep, runs=rows, laws=law_rows(fits), predictions=predictions(fits, sweep))

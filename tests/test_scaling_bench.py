@@ -159,3 +159,21 @@ def test_predict_adds_a_configuration_predicted_then_trained(tmp_path, monkeypat
             bench.main()
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert e.value.code == 2 and ("WIDTH@FLOPS" in err or "width 15" in err) and "Traceback" not in err
+
+
+def test_a_bad_predict_point_is_refused_before_the_sweep_trains(tmp_path, monkeypatch, capsys):
+    args = [
+        "--sweep",
+        "small",
+        "--root",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "new"),
+        "--predict",
+        "15@2e10",
+    ]
+    monkeypatch.setattr(sys, "argv", ["scaling.py", *args])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2 and "width 15" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "new.json").exists()  # nothing trained, nothing written
