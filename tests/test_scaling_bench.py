@@ -2,7 +2,9 @@
 
 import importlib.util
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +179,10 @@ def test_a_bad_predict_point_is_refused_before_the_sweep_trains(tmp_path, monkey
         bench.main()
     assert e.value.code == 2 and "width 15" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "new.json").exists()  # nothing trained, nothing written
+
+
+def test_the_invocations_cpu_time_counts_its_workers():
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    t0, own = bench.cpu_clock(), time.process_time()
+    subprocess.run([sys.executable, "-c", burn], check=True)  # a worker's CPU time, as a --jobs pool's
+    assert bench.cpu_clock() - t0 >= 0.3 > time.process_time() - own  # the process's own clock misses it
