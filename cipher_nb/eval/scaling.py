@@ -268,10 +268,17 @@ def sweep_runs(sweep: Sweep) -> list:
 
 # %% ../../nbs/12c_eval_scaling.ipynb #82c6a0f6
 def sweep_cost(sweep: Sweep, runs: list, costs: dict = None) -> float:
-    "The estimated CPU seconds of `runs`: their steps times each family and width's measured seconds per step."
+    "The estimated CPU seconds of `runs`: their steps times each family and width's seconds per step on one thread."
     if costs is None:
         kinds = {f"{r['family']}/d{r['width']}": r for r in runs}
-        costs = step_costs({k: load_config(sweep.config, r["overrides"]) for k, r in kinds.items()}, rounds=3)
+        threads = torch.get_num_threads()
+        # one thread times the work itself: on a busy machine several threads burn CPU time waiting for each other,
+        # and the estimate would refuse a sweep for the load beside it
+        torch.set_num_threads(1)
+        try:
+            costs = step_costs({k: load_config(sweep.config, r["overrides"]) for k, r in kinds.items()}, rounds=3)
+        finally:
+            torch.set_num_threads(threads)
     return sum(r["steps"] * costs[f"{r['family']}/d{r['width']}"] for r in runs)
 
 # %% ../../nbs/12c_eval_scaling.ipynb #3b16ced9
