@@ -120,7 +120,7 @@ def test_tiny_cpu_is_the_default():
 
 
 def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
-    "The 90-second preset: the default but for the step shape, budget, eval size, 8 experts, their bias, Engram."
+    "The 90-second preset: the default at half its width and its sweep rate, at a small step, 8 experts, Engram."
     from dataclasses import asdict
 
     from cipher_nb.config.load import Config, load_config, parse_duration
@@ -132,9 +132,12 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
         d.training.eval_batches * d.training.batch_size * d.training.seq_len
     )
     assert asdict(p.data) == asdict(d.data)
+    w = d.model.d_model // 2
     assert asdict(p.model) == {
         **asdict(d.model),
-        "moe": {**asdict(d.model.moe), "n_routed": 8, "bias_gamma": 3e-3},
+        "d_model": w,
+        "moe": {**asdict(d.model.moe), "n_routed": 8, "bias_gamma": 3e-3, "expert_d_ff": w},
+        "attention": {**asdict(d.model.attention), "head_dim": d.model.attention.head_dim // 2},
         "engram": {**asdict(d.model.engram), "layers": [1, 2]},
     }
     changed = {k for k, v in asdict(p.training).items() if v != asdict(d.training)[k]}
@@ -143,6 +146,8 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     assert {k: v for k, v in asdict(p.schedule).items() if v != asdict(d.schedule)[k]} == {
         "time_budget": "90s",
         "max_steps": 0,
+        "lr": 0.128 / w,  # the scaling sweep's rate for the width (lr_width), min_lr a tenth
+        "min_lr": 0.0128 / w,
     }
     assert asdict(p.optim) == asdict(d.optim) and p.optim.name == "adamw"  # written out, as the default
 
