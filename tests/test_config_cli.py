@@ -124,6 +124,7 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     from dataclasses import asdict
 
     from cipher_nb.config.load import Config, load_config, parse_duration
+    from cipher_nb.eval.scaling import FULL_SWEEP
 
     p, d = load_config(ROOT / "examples/configs/tiny-cpu-90s.yaml"), Config()
     assert (p.training.batch_size, p.training.seq_len) == (12, 64)
@@ -146,10 +147,19 @@ def test_tiny_cpu_90s_preset_is_the_default_at_a_small_step():
     assert {k: v for k, v in asdict(p.schedule).items() if v != asdict(d.schedule)[k]} == {
         "time_budget": "90s",
         "max_steps": 0,
-        "lr": 0.128 / w,  # the scaling sweep's rate for the width (lr_width), min_lr a tenth
-        "min_lr": 0.0128 / w,
+        "lr": FULL_SWEEP.lr_width / w,  # the scaling sweep's rate for the width, min_lr a tenth
+        "min_lr": FULL_SWEEP.lr_width / w / 10,
     }
     assert asdict(p.optim) == asdict(d.optim) and p.optim.name == "adamw"  # written out, as the default
+
+
+def test_tiny_cpu_8m_is_the_90_second_recipe_planned_for_8_minutes():
+    "One model at two budgets: what a 90-second ablation reads carries to the 8-minute run."
+    from cipher_nb.config.load import config_hash, load_config
+
+    long = load_config(ROOT / "examples/configs/tiny-cpu-8m.yaml")
+    short = load_config(ROOT / "examples/configs/tiny-cpu-90s.yaml", ["schedule.time_budget=8m"])
+    assert config_hash(long) == config_hash(short)
 
 
 def test_the_runbooks_guard_rails_warn_and_do_not_refuse():

@@ -405,7 +405,7 @@ SMALL_SWEEP = Sweep(
     widths=[16, 24, 32],
     budgets=[2e10, 5e10],
     heldout=(48, 1e11),
-    max_cpu_hours=0.2,  # the estimate comes from step costs measured now: a busy machine inflates it
+    max_cpu_hours=0.2,  # the estimate times steps now, on one thread: a busy machine still moves it
     overrides=["training.seq_len=64", "training.batch_size=8", "training.eval_batches=64"],
     lr_width=0.2,
 )
