@@ -386,18 +386,18 @@ def gate_run(
     run_dir: str,  # run directory holding metrics.jsonl (and config.yaml for the thresholds)
 ) -> int:
     "Print a run's verification gate, a PASS / FAIL / SKIP line per criterion (kept in RUN/gate.json); 1 on FAIL."
-    run = Path(run_dir)
+    run = Path(run_dir)  # errors name the command: this is cipher-gate's body
     if not run.is_dir():
-        raise CliError(f"run directory '{run}' does not exist: give the folder that cipher-train wrote")
+        raise CliError(f"cipher-gate: run directory '{run}' does not exist: give the folder that cipher-train wrote")
     try:
         rows = read_metrics(run / "metrics.jsonl")
     except (OSError, ValueError) as e:
-        raise CliError(str(e))
+        raise CliError(f"cipher-gate: {e}")
     cfg_path = run / "config.yaml"
     try:
         cfg = load_config(cfg_path) if cfg_path.is_file() else Config()
     except ConfigError as e:
-        raise CliError(f"{cfg_path}: {e}")
+        raise CliError(f"cipher-gate: {cfg_path}: {e}")
     known = cfg_path.is_file()  # without config.yaml: default thresholds, populations read off the rows, no warmup
     lines = gate(
         rows, cfg.monitor, cfg.model.moe.n_pop_a > 0 if known else None, cfg.schedule.warmup_steps if known else 0
