@@ -4,13 +4,14 @@ and at equal active FLOPs: MoE block step time on CPU, and held-out bits per byt
     OMP_NUM_THREADS=1 python benchmarks/spmoe.py --block-only            # block step times, about a minute
     OMP_NUM_THREADS=1 python benchmarks/spmoe.py --budget 60 --seeds 1 --jobs 2   # plus the quality runs
 
-Contenders, all on the base config (`--config`, default examples/configs/tiny-cpu-90s.yaml: d_model 128, 32 experts,
-top-2, expert_d_ff 128, one shared expert), differing only in the routed experts:
-  routed      the config itself: 32 SwiGLU experts of width 128
-  sp-params   shared projection of width 472, rank 24: the routed experts' parameter count (within 1%),
-              at about 2.7x their active FLOPs (the shared projection runs for every token)
-  sp-flops    shared projection of width 176, rank 16: the routed experts' active FLOPs per token (within 2%),
-              at about a third of their parameters
+Contenders, all on the base config (`--config`, default examples/configs/tiny-cpu-90s.yaml), differing only in the
+routed experts; the shared projection's sizes are derived from the base config's experts (`sp_sizes`):
+  routed      the config itself: n_routed SwiGLU experts of width expert_d_ff, top_k active
+  sp-params   shared projection of rank 3/16 of the expert width, its width chosen for the routed experts' parameter
+              count, at several times their active FLOPs (the shared projection runs for every token)
+  sp-flops    shared projection of rank 1/8 of the expert width, its width chosen for the routed experts' active
+              FLOPs per token, at a fraction of their parameters
+The report's first table gives each contender's parameters and FLOPs against routed's.
 
 Block step time: forward + backward of one `MoE` block (loss `(y * g).sum()`), process CPU time, median of
 interleaved rounds in this process, at the preset's step (12 x 64 tokens) and at the default tiny-cpu step
@@ -33,11 +34,25 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CONTENDERS = {
-    "routed": [],
-    "sp-params": ["model.moe.kind=shared_projection", "model.moe.shared_inter=472", "model.moe.expert_rank=24"],
-    "sp-flops": ["model.moe.kind=shared_projection", "model.moe.shared_inter=176", "model.moe.expert_rank=16"],
-}
+
+def sp_sizes(cfg, match: str) -> tuple:
+    "(shared_inter, expert_rank) of a shared projection matching the routed experts' 'params' or active 'flops'."
+    m, e = cfg.model, cfg.model.moe
+    d, h = m.d_model, e.expert_d_ff
+    # shared width s and rank r cost 3*d*s + n*3*r*(d + s) per token or in all (n: top_k or n_routed); solve for s
+    n, r = (e.n_routed, max(1, round(3 * h / 16))) if match == "params" else (e.top_k, max(1, round(h / 8)))
+    return max(1, round(n * d * (h - r) / (d + n * r))), r
+
+
+def contenders(cfg) -> dict:
+    "Each contender's overrides on the base config `cfg` (routed experts)."
+    out = {"routed": []}
+    for name, match in (("sp-params", "params"), ("sp-flops", "flops")):
+        s, r = sp_sizes(cfg, match)
+        out[name] = ["model.moe.kind=shared_projection", f"model.moe.shared_inter={s}", f"model.moe.expert_rank={r}"]
+    return out
+
+
 STEPS = {"tiny-cpu-90s step (12 x 64)": (12, 64), "tiny-cpu step (16 x 256)": (16, 256)}
 
 
@@ -120,13 +135,13 @@ def calibrate(a, cfg_over: dict) -> dict:
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
-def quality_runs(a, costs: dict) -> list:
+def quality_runs(a, costs: dict, over: dict) -> list:
     "Each contender and seed trained for `budget / cost` steps by `quality.py --one`, `--jobs` at a time."
     tmp, runs, queue, running = Path(tempfile.mkdtemp(prefix="spmoe-")), [], [], []
     for s in range(a.seeds):
-        for n, over in CONTENDERS.items():
+        for n, o in over.items():
             j = tmp / f"{n}-{s}.json"
-            cmd = [sys.executable, str(ROOT / "benchmarks/quality.py"), *a.overrides, *over, "--budget", str(a.budget)]
+            cmd = [sys.executable, str(ROOT / "benchmarks/quality.py"), *a.overrides, *o, "--budget", str(a.budget)]
             cmd += ["--eval-points", str(a.eval_points), "--one", "moe", "--seed", str(s)]
             cmd += ["--steps", str(int(a.budget / costs[n])), "--cost", repr(costs[n]), "--json", str(j)]
             queue.append((n, s, j, cmd + (["--config", a.config] if a.config else [])))
@@ -179,7 +194,7 @@ def report(a, cfgs, times, costs=None, runs=None) -> str:
             "|---|---|---|---|---|---|",
         ]
         ref_bpb = {r["seed"]: r["bpb"] for r in runs if r["contender"] == "routed"}
-        for r in sorted(runs, key=lambda r: (list(CONTENDERS).index(r["contender"]), r["seed"])):
+        for r in sorted(runs, key=lambda r: (list(cfgs).index(r["contender"]), r["seed"])):
             d = r["bpb"] - ref_bpb.get(r["seed"], float("nan"))
             lines.append(
                 f"| {r['contender']} | {r['seed']} | {r['steps']} | {r['bpb']:.4f} | {d:+.4f} | {r['peak_gb']:.2f} |"
@@ -203,13 +218,14 @@ def main():
     torch.set_num_threads(1)
     from cipher_nb.config.load import load_config
 
-    cfgs = {n: load_config(a.config, [*a.overrides, *o]) for n, o in CONTENDERS.items()}
+    over = contenders(load_config(a.config, a.overrides))
+    cfgs = {n: load_config(a.config, [*a.overrides, *o]) for n, o in over.items()}
     times = block_times(cfgs, a.rounds, a.block_reps)
     costs = runs = None
     if not a.block_only:
-        costs = calibrate(a, CONTENDERS)
+        costs = calibrate(a, over)
         print(report(a, cfgs, times, costs), flush=True)
-        runs = quality_runs(a, costs)
+        runs = quality_runs(a, costs, over)
     cmd = "OMP_NUM_THREADS=1 python benchmarks/spmoe.py " + " ".join(sys.argv[1:])
     print(f"\n`{cmd}` (torch {torch.__version__})\n\n" + report(a, cfgs, times, costs, runs))
 
