@@ -35,9 +35,11 @@ process's CPU time, `--clock wall` elapsed time. The budget (`--budget`: seconds
 contender `budget / cost` steps, and each trains exactly that many (its own process, its cosine schedule ending at its
 last step), so the held-out figures do not depend on how busy the machine was during training: a run that happened to
 share its core would otherwise get fewer steps and a worse score. Every run also reports the clock time its training
-really used, as a cross-check. With `--plan budget` the cipher_nb contenders instead get `schedule.time_budget` and
-their trainer plans the steps from the cost it measures as it runs (on `--clock`), the way `cipher-train --time-budget`
-does; the minimal GPT keeps its calibrated steps, and each run's line says how close its training time landed.
+really used, as a cross-check, and the report warns when the contenders' median spends differ by more than
+`SPEND_GAP` (a calibration that misread a step gives no equal-time verdict). With `--plan budget` the cipher_nb
+contenders instead get `schedule.time_budget` and their trainer plans the steps from the cost it measures as it runs
+(on `--clock`), the way `cipher-train --time-budget` does; the minimal GPT keeps its calibrated steps, and each run's
+line says how close its training time landed.
 Held-out bits per byte come only from `cipher_nb.monitor.metrics.heldout_metrics` on the base config's held-out split
 (nats
 over real bytes, specials excluded, / ln 2), at `--eval-points` points along the steps, each contender at the length
@@ -448,6 +450,26 @@ def verdict_table(runs: list, names: list, max_seeds: int = 0) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""  # no pair ran on a common seed: no section
 
 
+SPEND_GAP = 0.10  # contenders whose runs' median spends differ by more than this did not get equal time
+
+
+def spend_note(runs: list, names: list) -> str:
+    "A warning when the contenders' runs used unequal shares of the budget (a misread calibration), else ''."
+    spend = {
+        n: statistics.median(r["used"] / r["budget"] - 1 for r in runs if r["name"] == n)
+        for n in names
+        if any(r["name"] == n for r in runs)
+    }
+    if not spend or max(spend.values()) - min(spend.values()) <= SPEND_GAP:
+        return ""
+    hi, lo = max(spend, key=spend.get), min(spend, key=spend.get)
+    return (
+        f"unequal time: {hi}'s runs used {spend[hi]:+.0%} of the budget (median), {lo}'s {spend[lo]:+.0%}: the "
+        f"calibration read {hi}'s step low, or its runs shared the cores unevenly. Re-run with nothing else on the "
+        "machine, or plan by the budget (--plan budget), before reading the verdict as one at equal time."
+    )
+
+
 def seed_table(runs: list, names: list) -> str:
     "Every seed on its own line: each contender's held-out bpb and each one's difference from the references."
     bpb = {(r["name"], r["seed"]): r["bpb"] for r in runs}
@@ -656,6 +678,8 @@ def main():
     cmd = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
     verdicts = verdict_table(runs, names, a.seeds if a.sequential else 0)
     text = f"`{cmd}`\n\n{ctext}\n\n" + table(runs, names) + (f"\n\n{verdicts}" if verdicts else "")
+    note = spend_note(runs, names)
+    text += f"\n\n**{note}**" if note else ""
     text += "\n\n" + seed_table(runs, names)
     print("\n" + text)
     out.with_suffix(".md").write_text(text + "\n")

@@ -251,3 +251,14 @@ def test_usage_errors_are_one_line_and_exit_2(args, says):
     "A usage error ends at once (--jobs 0 once waited forever), exit 2, its line last, no traceback."
     r = subprocess.run([sys.executable, quality.__file__, *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_unequal_spends_are_flagged_not_read_as_equal_time():
+    "Runs that used the budget within 10 points of each other pass quietly; a contender 20 points over is named."
+    even = [{**run("dense", s, 2.0), "used": 8.4} for s in range(3)] + [
+        {**run("moe", s, 2.0), "used": 8.8} for s in range(3)
+    ]
+    assert quality.spend_note(even, ["dense", "moe"]) == ""
+    over = [{**r, "used": 9.6} if r["name"] == "moe" else r for r in even]  # +20% against dense's +5%
+    note = quality.spend_note(over, ["dense", "moe"])
+    assert note.startswith("unequal time: moe's runs used +20% of the budget (median), dense's +5%"), note

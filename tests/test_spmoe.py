@@ -160,3 +160,24 @@ def test_compiled_block_equals_eager():
         torch.testing.assert_close(gc[n], ge[n], rtol=1e-4, atol=1e-5, msg=n)
     assert comp.ffn.kernel == "grouped"
     torch.testing.assert_close(cc, ce)  # the counts for balancing, an output of the graph
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu-90s", "tiny-cpu"])
+def test_bench_contenders_match_the_routed_experts(preset):
+    "benchmarks/spmoe.py sizes its shared projections from the base config: parameters, then active FLOPs, within 1%."
+    import importlib.util
+    from pathlib import Path
+
+    from cipher_nb.config.load import load_config
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("spmoe", root / "benchmarks/spmoe.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = load_config(str(root / f"examples/configs/{preset}.yaml"))
+    ref = bench.moe_sizes(base)
+    for name, i in (("sp-params", 0), ("sp-flops", 1)):
+        cfg = load_config(str(root / f"examples/configs/{preset}.yaml"), bench.contenders(base)[name])
+        assert cfg.model.moe.kind == "shared_projection"
+        assert sum(p.numel() for p in MoE(cfg.model).experts.parameters()) == bench.moe_sizes(cfg)[0]
+        assert abs(bench.moe_sizes(cfg)[i] / ref[i] - 1) < 0.01, (name, bench.moe_sizes(cfg), ref)
