@@ -112,7 +112,7 @@ SMOKE = [  # CPU-sized shapes; the dense FFN width stays the MoE's active width 
 ]
 
 
-BLOCK_TARGETS = {"h100 preset": 1.25, "tiny-cpu": 1.25, "tiny-cpu-90s": 1.4}  # issue 49: MoE block / dense at most
+BLOCK_TARGETS = moe_bench.BLOCK_TARGETS  # issue 49: MoE block / dense at most, per shape of benchmarks/moe.py
 SMOKE_BLOCK = {"smoke": (2, 32, 64, 8, 2, 32, 1)}  # (batch, seq, d_model, experts, top-k, expert width, shared)
 
 
