@@ -4,6 +4,7 @@ active FLOPs per token, side by side in one process, with ratios.
     python benchmarks/moe.py                      # CPU, fp32, about a minute on 2 cores
     python benchmarks/moe.py --device cuda --paths  # a GPU, bf16, every dispatch path, TFLOP/s and peak memory
     OMP_NUM_THREADS=1 python benchmarks/moe.py --shape tiny-cpu-90s --candidates  # the CPU speed candidates
+    python benchmarks/moe.py --shape "h100 preset" --profile [--keep-freed]  # where ours - dense goes, by class
 
 On CPU a step's time is the process's CPU time (`time.process_time`), so that other jobs on a shared machine do not
 count; with OMP_NUM_THREADS=1 it equals the step's single-thread time. On CUDA it is the device time.
@@ -366,7 +367,7 @@ def profile_step(fns: dict, device, steps: int):
     print(f"{'class':<20}{'ours':>10}{'dense':>10}{'gap':>10}{'share':>8}")
     for c in [*OP_CLASSES, "other aten", "autograd / python"]:
         o, d = by["ours"].get(c, 0.0), by["dense"].get(c, 0.0)
-        print(f"{c:<20}{o:>10.2f}{d:>10.2f}{o - d:>10.2f}{(o - d) / gap:>8.0%}")
+        print(f"{c:<20}{o:>10.2f}{d:>10.2f}{o - d:>10.2f}{(o - d) / gap if gap else 0.0:>8.0%}")
 
 
 @call_parse
