@@ -9,7 +9,6 @@ import sys
 import torch
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
 spec = importlib.util.spec_from_file_location("moe_bench", ROOT / "benchmarks/moe.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)

@@ -166,11 +166,11 @@ def test_compiled_block_equals_eager():
 def test_bench_contenders_match_the_routed_experts(preset):
     "benchmarks/spmoe.py sizes its shared projections from the base config: parameters, then active FLOPs, within 1%."
     import importlib.util
-    from pathlib import Path
+
+    from conftest import ROOT as root
 
     from cipher_nb.config.load import load_config
 
-    root = Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location("spmoe", root / "benchmarks/spmoe.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
