@@ -1,10 +1,11 @@
-"benchmarks/moe.py's own parts: the operator classes of `--profile`'s split, and `--keep-freed`'s allocator switch."
+"benchmarks/moe.py's own parts: `--profile`'s operator classes, `--keep-freed`'s allocator switch, `--clock`."
 
 import contextlib
 import importlib.util
 import io
 import subprocess
 import sys
+import time
 
 import torch
 from conftest import ROOT
@@ -32,7 +33,7 @@ def test_profile_split_puts_the_extra_work_in_its_class():
 
 
 def test_keep_freed_stops_paging_in_a_large_buffer_afresh():
-    "glibc gives a freed 64 MB buffer back, so the next one is paged in again; with `keep_freed_memory` it is not."
+    "glibc gives a freed 64 MB buffer back, so the next is paged in again; `keep_freed_memory` keeps it (once warm)."
     code = """
 import resource, sys, torch
 sys.path.insert(0, "benchmarks")
@@ -46,8 +47,16 @@ def faults():
 
 before = faults()
 kept = moe.keep_freed_memory()
+faults()  # the first buffer after the switch may land past a small allocation made meanwhile: steady state after it
 print(before, faults(), kept)
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     before, after, kept = r.stdout.split()
     assert kept == "True" and int(before) > 8000 and int(after) < 1000, r.stdout  # 16,384 pages of 4 KB
+
+
+def test_clock_wall_counts_waiting_and_cpu_does_not():
+    "A step that sleeps 50 ms: elapsed time counts the sleep, the process's CPU time does not."
+    cpu = torch.device("cpu")
+    assert bench.timeit(lambda: time.sleep(0.05), cpu, "wall") >= 0.05
+    assert bench.timeit(lambda: time.sleep(0.05), cpu, "cpu") < 0.02
