@@ -156,8 +156,7 @@ def bench_monitor(a):
     print(f"{'contender':<10}{'ms/step':>10}{'tok/s':>10}{'x bare':>9}   callbacks")
     for name, ts in times.items():
         s = statistics.median(ts)
-        cbs = with_all if name == "full" else training_callbacks(with_all)
-        names = ", ".join(type(c).__name__ for c in cbs) or "-"
+        names = ", ".join(type(c).__name__ for c in (with_all if name == "full" else bare)) or "-"
         print(f"{name:<10}{1000 * s:>10.1f}{tokens / s:>10.0f}{s / base:>9.3f}   {names}")
     over = statistics.median(times["full"]) / base - 1
     print(f"overhead of the watching callbacks: {100 * over:+.1f}% (goal < 3%)")

@@ -26,25 +26,22 @@ ruff check cipher_nb --select F821
 echo "== nbdev-test"
 # one BLAS thread per notebook worker: two workers with two threads each on two cores stall each other. A worker that
 # crashes in native code (a segfault in dynamo's fake-tensor tracing while a notebook compiles, in a worker that has
-# run other notebooks before; seen a few times, never twice in a row, never with the notebook alone) prints the
-# Python stack it was in (PYTHONFAULTHANDLER), and --do-print with unbuffered output names each notebook as it
-# starts, so the notebook that crashed is the one that started and never completed. Such a pass runs once more; a
-# failing test, or a crash that comes back, fails the check.
+# run other notebooks before; seen a few times, not twice in a row, not with the notebook alone) prints the Python
+# stack it was in (PYTHONFAULTHANDLER), and --do-print with unbuffered output names each notebook as it starts, so
+# the notebook that crashed is the one that started and never completed. Such a pass runs once more; a failing test,
+# or a crash that comes back, fails the check.
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
 notebooks() {
-  local log
+  local log rc=0
   log=$(mktemp)
-  if OMP_NUM_THREADS=1 nbdev-test "$@" --do-print --n-workers "${NBDEV_WORKERS:-2}" 2>&1 | tee "$log"; then
-    rm -f "$log"
-    return 0
-  fi
-  if ! grep -q "^Fatal Python error: Segmentation fault" "$log"; then
-    rm -f "$log"
-    return 1
+  OMP_NUM_THREADS=1 nbdev-test "$@" --do-print --n-workers "${NBDEV_WORKERS:-2}" 2>&1 | tee "$log" || rc=$?
+  if [ "$rc" -ne 0 ] && grep -q "^Fatal Python error: Segmentation fault" "$log"; then
+    echo "== a notebook worker crashed in native code (its stack is above): the pass runs once more"
+    rc=0
+    OMP_NUM_THREADS=1 nbdev-test "$@" --do-print --n-workers "${NBDEV_WORKERS:-2}" || rc=$?
   fi
   rm -f "$log"
-  echo "== a notebook worker crashed in native code (its stack is above): the pass runs once more"
-  OMP_NUM_THREADS=1 nbdev-test "$@" --do-print --n-workers "${NBDEV_WORKERS:-2}"
+  return "$rc"
 }
 notebooks
 echo "== nbdev-test examples (chained: 02 starts from 01's run, 03 from 02's)"
