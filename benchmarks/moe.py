@@ -41,7 +41,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fastcore.script import call_parse
+from fastcore.script import CliError, call_parse
 
 import cipher_nb.model.moe as moe_mod
 from cipher_nb.config.load import ModelConfig
@@ -397,7 +397,7 @@ def main(
     reps = reps or (20 if dev.type == "cuda" else 3)
     warmup = 3 if dev.type == "cuda" else 1
     if clock not in ("cpu", "wall"):
-        raise SystemExit(f"--clock {clock}: use cpu or wall")
+        raise CliError(f"moe.py: --clock {clock} unknown; use cpu or wall")
     if keep_freed and not keep_freed_memory():
         raise SystemExit("--keep-freed needs glibc's malloc (mallopt), which this process does not have")
     print(
